@@ -1,0 +1,243 @@
+//! Builder and options: the table, the lease timings, the pool and the loss policy.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::keys::TableName;
+
+/// What a store does, besides failing closed, when it finds its lease lost.
+///
+/// Whatever the policy, the store fails closed: every later operation returns
+/// [`Error::LeaseLost`] and [`crate::PgKvStore::lease_state`] reports
+/// [`crate::LeaseState::Lost`]. The policy only decides how loudly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LeaseLossPolicy {
+    /// Return [`Error::LeaseLost`] and report the loss on `lease_state`; the application
+    /// decides what to do. The default.
+    #[default]
+    FailClosed,
+    /// Also panic: in the task that called the operation that found the loss, or on the
+    /// renewal thread when renewal found it. A panic on the renewal thread stops the process
+    /// only when it is built with `panic = "abort"`.
+    Panic,
+    /// Log at error level, then `std::process::abort()`: nothing of the process runs on.
+    Abort,
+}
+
+/// Where the store's connections come from.
+#[derive(Clone)]
+pub(crate) enum Source {
+    Config(Box<tokio_postgres::Config>),
+    Pool(deadpool_postgres::Pool),
+    /// A connection string that did not parse; reported by `open()`.
+    Invalid(String),
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            // tokio_postgres::Config's Debug redacts the password.
+            Source::Config(config) => f.debug_tuple("Config").field(config).finish(),
+            Source::Pool(pool) => f.debug_tuple("Pool").field(&pool.status()).finish(),
+            Source::Invalid(reason) => f.debug_tuple("Invalid").field(reason).finish(),
+        }
+    }
+}
+
+/// Options for [`crate::PgKvStore`], set with chained `with`-style calls and checked by
+/// [`Builder::open`]. Created by [`crate::PgKvStore::builder`] (connection string),
+/// [`crate::PgKvStore::builder_from_config`] or [`crate::PgKvStore::builder_from_pool`].
+///
+/// `Debug` never shows a password.
+#[derive(Debug, Clone)]
+pub struct Builder {
+    pub(crate) source: Source,
+    pub(crate) table: String,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) renew_interval: Duration,
+    pub(crate) local_deadline: Option<Duration>,
+    pub(crate) pool_size: usize,
+    pub(crate) on_lease_lost: LeaseLossPolicy,
+    pub(crate) max_value_size: usize,
+    pub(crate) page_size: usize,
+    pub(crate) drop_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) application_name: String,
+}
+
+/// Defaults, also documented on the setters.
+pub(crate) const DEFAULT_TABLE: &str = "pgfence_kv";
+const DEFAULT_TTL: Duration = Duration::from_secs(30);
+const DEFAULT_RENEW: Duration = Duration::from_secs(10);
+const DEFAULT_POOL_SIZE: usize = 8;
+const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
+const DEFAULT_PAGE_SIZE: usize = 100;
+const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Builder {
+    pub(crate) fn new(source: Source) -> Builder {
+        Builder {
+            source,
+            table: DEFAULT_TABLE.to_owned(),
+            lease_ttl: DEFAULT_TTL,
+            renew_interval: DEFAULT_RENEW,
+            local_deadline: None,
+            pool_size: DEFAULT_POOL_SIZE,
+            on_lease_lost: LeaseLossPolicy::default(),
+            max_value_size: DEFAULT_MAX_VALUE,
+            page_size: DEFAULT_PAGE_SIZE,
+            drop_timeout: DEFAULT_DROP_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            application_name: default_application_name(),
+        }
+    }
+
+    /// The KV table, `table` or `schema.table` (default `pgfence_kv`). Each part must match
+    /// `[A-Za-z_][A-Za-z0-9_]*`, at most 48 characters; names are always quoted, so case is
+    /// kept. The lease lives in `<table>_lease`, the schema version in `<table>_schema_version`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// How long an acquisition or renewal keeps the lease valid in the database (default 30 s).
+    /// A crashed holder is taken over this long after its last renewal.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// How often the background task renews the lease (default 10 s). Must be shorter than the
+    /// local deadline, so that a failed renewal can be retried before it.
+    pub fn renew_interval(mut self, interval: Duration) -> Self {
+        self.renew_interval = interval;
+        self
+    }
+
+    /// How long after the start of the last confirmed renewal the store still trusts its lease
+    /// (default two thirds of the TTL). Past it the store fails closed, before the database
+    /// expiry, leaving the process time to stop. Must be shorter than the TTL.
+    pub fn local_deadline(mut self, deadline: Duration) -> Self {
+        self.local_deadline = Some(deadline);
+        self
+    }
+
+    /// Connections in the store's pool (default 8); ignored with
+    /// [`crate::PgKvStore::builder_from_pool`]. The renewal task always has its own connection.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// What to do, besides failing closed, when the lease is lost (default
+    /// [`LeaseLossPolicy::FailClosed`]).
+    pub fn on_lease_lost(mut self, policy: LeaseLossPolicy) -> Self {
+        self.on_lease_lost = policy;
+        self
+    }
+
+    /// Largest value accepted by `write` (default 64 MiB); larger ones get
+    /// [`Error::ValueTooLarge`] before any statement runs. At most 1 GiB (PostgreSQL's limit).
+    pub fn max_value_size(mut self, bytes: usize) -> Self {
+        self.max_value_size = bytes;
+        self
+    }
+
+    /// Keys per page of [`crate::PgKvStore::list_paginated`] (default 100).
+    pub fn page_size(mut self, keys: usize) -> Self {
+        self.page_size = keys;
+        self
+    }
+
+    /// How long dropping the last handle (and outstanding operation) of a store waits for the
+    /// lease release (default 5 s). Dropping never waits longer and never panics.
+    pub fn drop_timeout(mut self, timeout: Duration) -> Self {
+        self.drop_timeout = timeout;
+        self
+    }
+
+    /// Time limit for opening a connection (default 10 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How the holder names itself in the lease row, for operators (default: the executable's
+    /// name). Host and process id are recorded too.
+    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = name.into();
+        self
+    }
+
+    /// The effective local deadline.
+    pub(crate) fn deadline(&self) -> Duration {
+        self.local_deadline.unwrap_or(self.lease_ttl * 2 / 3)
+    }
+
+    /// Checks every option; returns the parsed table name.
+    pub(crate) fn validate(&self) -> Result<TableName> {
+        if let Source::Invalid(reason) = &self.source {
+            return Err(Error::config("connection string", reason.clone()));
+        }
+        let table = TableName::parse(&self.table)?;
+        let ms = |d: Duration| d.as_millis();
+        if self.lease_ttl < Duration::from_millis(100) || self.lease_ttl > Duration::from_secs(86_400)
+        {
+            return Err(Error::config("lease_ttl", "must be between 100 ms and 24 h"));
+        }
+        let deadline = self.deadline();
+        if deadline.is_zero() || deadline >= self.lease_ttl {
+            return Err(Error::config(
+                "local_deadline",
+                format!("{} ms must be above zero and below the TTL of {} ms", ms(deadline), ms(self.lease_ttl)),
+            ));
+        }
+        if self.renew_interval.is_zero() || self.renew_interval >= deadline {
+            return Err(Error::config(
+                "renew_interval",
+                format!(
+                    "{} ms must be above zero and below the local deadline of {} ms (TTL {} ms)",
+                    ms(self.renew_interval),
+                    ms(deadline),
+                    ms(self.lease_ttl)
+                ),
+            ));
+        }
+        if self.pool_size == 0 {
+            return Err(Error::config("pool_size", "must be at least 1"));
+        }
+        if self.max_value_size > 1 << 30 {
+            return Err(Error::config("max_value_size", "PostgreSQL stores at most 1 GiB per value"));
+        }
+        if self.page_size == 0 || self.page_size > 100_000 {
+            return Err(Error::config("page_size", "must be between 1 and 100000"));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(Error::config("connect_timeout", "must be above zero"));
+        }
+        Ok(table)
+    }
+}
+
+fn default_application_name() -> String {
+    std::env::args_os()
+        .next()
+        .and_then(|arg0| {
+            std::path::Path::new(&arg0).file_name().map(|n| n.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "pgfence".to_owned())
+}
+
+/// The host name for the lease row, best effort (it is only shown to operators).
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_owned())
+}

@@ -1,0 +1,293 @@
+//! The one error type of the crate.
+
+use std::fmt;
+use std::time::Duration;
+
+/// A `Result` with [`Error`] as its error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `pgfence`.
+///
+/// Match on the variant to react: [`Error::LeaseHeld`] at open means another live store owns
+/// the table (stand by or give up); [`Error::LeaseLost`] means this store may no longer write,
+/// ever (stop, and rebuild state from the store in the process that owns the lease next).
+///
+/// Converts into [`std::io::Error`] with meaningful kinds: `NotFound`, `AlreadyExists` (lease
+/// held), `PermissionDenied` (lease lost), `InvalidInput` (bad key, value or configuration).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Another live store holds the lease; nothing was changed.
+    #[error("lease on {table} is held by {holder} (epoch {epoch}, expires in {expires_in:?})")]
+    LeaseHeld {
+        /// The table whose lease is held.
+        table: String,
+        /// Who holds it, as the holder described itself (`host pid app owner-id`).
+        holder: String,
+        /// The holder's fencing token.
+        epoch: i64,
+        /// Time left until the holder's lease expires, by the database clock.
+        expires_in: Duration,
+    },
+
+    /// This store no longer owns the lease. Permanent: every later operation fails the same way.
+    #[error("lease lost (epoch {epoch}): {reason}")]
+    LeaseLost {
+        /// The epoch this store held.
+        epoch: i64,
+        /// Why the lease is considered lost.
+        reason: LossReason,
+    },
+
+    /// The key does not exist.
+    #[error("key not found: {0}")]
+    NotFound(Box<KeyPath>),
+
+    /// A key or namespace is not acceptable; no statement was run.
+    #[error("invalid {what} {value:?}: {reason}")]
+    InvalidKey {
+        /// Which part: `key`, `primary namespace` or `secondary namespace`.
+        what: &'static str,
+        /// The rejected value (keys and namespaces are never secret).
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The configuration is not acceptable; nothing was connected or changed.
+    #[error("invalid configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The setting at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A value is larger than the configured maximum; nothing was written.
+    #[error("value of {len} bytes exceeds the maximum of {max} bytes")]
+    ValueTooLarge {
+        /// The value's length.
+        len: usize,
+        /// The configured maximum ([`crate::Builder::max_value_size`]).
+        max: usize,
+    },
+
+    /// The database was migrated by a newer version of this library; it is refused unchanged.
+    #[error("schema of {table} is at version {found}, newer than this library's {supported}")]
+    SchemaTooNew {
+        /// The table.
+        table: String,
+        /// The schema version found in the database.
+        found: i32,
+        /// The newest version this library knows.
+        supported: i32,
+    },
+
+    /// The store was closed with [`crate::PgKvStore::close`].
+    #[error("store is closed")]
+    Closed,
+
+    /// A statement failed or the connection broke.
+    #[error("database error during {operation}")]
+    Database {
+        /// What the store was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// No connection could be had from the pool.
+    #[error("connection pool error during {operation}")]
+    Pool {
+        /// What the store was doing.
+        operation: &'static str,
+        /// The pool's error.
+        #[source]
+        source: Box<deadpool_postgres::PoolError>,
+    },
+
+    /// The renewal thread or its runtime could not be started.
+    #[error("could not start the lease renewal thread")]
+    Runtime {
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An operation did not finish within its time limit.
+    #[error("timed out during {operation} after {after:?}")]
+    Timeout {
+        /// What the store was doing.
+        operation: &'static str,
+        /// The limit that passed.
+        after: Duration,
+    },
+}
+
+/// Why a store considers its lease lost. Carried by [`Error::LeaseLost`] and
+/// [`crate::LeaseState::Lost`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// A mutation's fence check found the lease owned by someone else or expired: the database
+    /// refused the write.
+    Fenced,
+    /// Renewal found the lease row no longer ours (taken over or released by an operator).
+    TakenOver,
+    /// Renewal could not be confirmed before the local deadline, which comes before the
+    /// database-side expiry.
+    DeadlinePassed,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LossReason::Fenced => "the database refused a mutation: lease expired or taken over",
+            LossReason::TakenOver => "renewal found the lease owned by another store",
+            LossReason::DeadlinePassed => {
+                "renewal not confirmed before the local deadline (fail closed before DB expiry)"
+            }
+        })
+    }
+}
+
+/// The three names of a key, for error reporting.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyPath {
+    /// Primary namespace.
+    pub primary_namespace: String,
+    /// Secondary namespace.
+    pub secondary_namespace: String,
+    /// Key.
+    pub key: String,
+}
+
+impl fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.primary_namespace, self.secondary_namespace, self.key)
+    }
+}
+
+impl Error {
+    /// True for [`Error::LeaseHeld`].
+    pub fn is_lease_held(&self) -> bool {
+        matches!(self, Error::LeaseHeld { .. })
+    }
+
+    /// True for [`Error::LeaseLost`].
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, Error::LeaseLost { .. })
+    }
+
+    /// True for [`Error::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::NotFound(_))
+    }
+
+    /// True when the same call may succeed if tried again: a broken connection, a pool that had
+    /// no connection in time, a timeout. Never true for lease loss or invalid input.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Database { source, .. } => is_connection_error(source),
+            Error::Pool { .. } | Error::Timeout { .. } => true,
+            _ => false,
+        }
+    }
+
+    pub(crate) fn db(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Error {
+        move |source| Error::Database { operation, source }
+    }
+
+    pub(crate) fn pool(operation: &'static str) -> impl FnOnce(deadpool_postgres::PoolError) -> Error {
+        move |source| Error::Pool { operation, source: Box::new(source) }
+    }
+
+    pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Error {
+        Error::InvalidConfig { field, reason: reason.into() }
+    }
+}
+
+/// True when the error means the connection is gone (so a statement's outcome may be unknown),
+/// as opposed to the server rejecting the statement.
+pub(crate) fn is_connection_error(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    if let Some(db) = e.as_db_error() {
+        // Class 08: connection exception; 57P01..57P03: admin shutdown, crash shutdown,
+        // cannot connect now (server restarting).
+        let code = db.code().code();
+        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03");
+    }
+    // No server error attached: I/O, connect or protocol failure on our side of the socket.
+    std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+}
+
+impl From<Error> for std::io::Error {
+    fn from(e: Error) -> Self {
+        use std::io::ErrorKind;
+        let kind = match &e {
+            Error::NotFound(_) => ErrorKind::NotFound,
+            Error::LeaseHeld { .. } => ErrorKind::AlreadyExists,
+            Error::LeaseLost { .. } => ErrorKind::PermissionDenied,
+            Error::InvalidKey { .. } | Error::InvalidConfig { .. } | Error::ValueTooLarge { .. } => {
+                ErrorKind::InvalidInput
+            }
+            Error::Closed => ErrorKind::NotConnected,
+            Error::Timeout { .. } => ErrorKind::TimedOut,
+            Error::SchemaTooNew { .. }
+            | Error::Database { .. }
+            | Error::Pool { .. }
+            | Error::Runtime { .. } => {
+                ErrorKind::Other
+            }
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_error_kinds_are_meaningful() {
+        use std::io::ErrorKind;
+        let path = KeyPath {
+            primary_namespace: "a".into(),
+            secondary_namespace: "b".into(),
+            key: "c".into(),
+        };
+        let cases = [
+            (Error::NotFound(Box::new(path)), ErrorKind::NotFound),
+            (
+                Error::LeaseHeld {
+                    table: "t".into(),
+                    holder: "h".into(),
+                    epoch: 1,
+                    expires_in: Duration::from_secs(1),
+                },
+                ErrorKind::AlreadyExists,
+            ),
+            (Error::LeaseLost { epoch: 1, reason: LossReason::Fenced }, ErrorKind::PermissionDenied),
+            (
+                Error::InvalidKey { what: "key", value: String::new(), reason: "empty" },
+                ErrorKind::InvalidInput,
+            ),
+            (Error::config("table", "bad"), ErrorKind::InvalidInput),
+            (Error::ValueTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
+        ];
+        for (e, kind) in cases {
+            let msg = e.to_string();
+            let io: std::io::Error = e.into();
+            assert_eq!(io.kind(), kind, "{msg}");
+            assert!(io.get_ref().is_some(), "the pgfence error is kept as the source");
+        }
+    }
+
+    #[test]
+    fn result_stays_small() {
+        assert!(std::mem::size_of::<Error>() <= 72, "{}", std::mem::size_of::<Error>());
+    }
+}

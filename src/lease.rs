@@ -1,0 +1,383 @@
+//! The lease once held: its local deadline, loss, the renewal thread and the release.
+//!
+//! Renewal runs on a thread of its own with a current-thread tokio runtime and its own
+//! connection, so a busy or blocked application runtime or an exhausted pool can never delay
+//! it, and the release on drop never depends on the caller's runtime (dropping a store inside a
+//! current-thread runtime would otherwise deadlock on its own I/O).
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_postgres::NoTls;
+use uuid::Uuid;
+
+use crate::config::LeaseLossPolicy;
+use crate::error::{Error, LossReason, Result};
+
+/// What a store knows of its lease, published on [`crate::PgKvStore::lease_state`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseState {
+    /// The store holds the lease with this fencing token.
+    Held {
+        /// The fencing token: strictly increasing per acquisition.
+        epoch: i64,
+    },
+    /// The lease is lost for good; every operation returns [`Error::LeaseLost`].
+    Lost {
+        /// The epoch that was held.
+        epoch: i64,
+        /// Why.
+        reason: LossReason,
+    },
+    /// The store gave the lease up (closed or dropped); the next store may take it at once.
+    Released {
+        /// The epoch that was held.
+        epoch: i64,
+    },
+}
+
+/// The held lease, shared by the store, its outstanding operations and the renewal thread.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub(crate) owner_id: Uuid,
+    pub(crate) epoch: i64,
+    pub(crate) table: String,
+    /// How long after the start of a confirmed renewal the lease is still trusted locally.
+    deadline_after: Duration,
+    /// The local deadline: the start of the last confirmed renewal (or acquisition) plus
+    /// `deadline_after`. The database's expiry is later than this, since the statement that set
+    /// it started after that instant and added the full TTL.
+    deadline: Mutex<Instant>,
+    lost: OnceLock<LossReason>,
+    state: watch::Sender<LeaseState>,
+    policy: LeaseLossPolicy,
+}
+
+impl Lease {
+    pub(crate) fn new(
+        owner_id: Uuid,
+        epoch: i64,
+        table: String,
+        acquire_started: Instant,
+        deadline_after: Duration,
+        policy: LeaseLossPolicy,
+    ) -> Lease {
+        Lease {
+            owner_id,
+            epoch,
+            table,
+            deadline_after,
+            deadline: Mutex::new(acquire_started + deadline_after),
+            lost: OnceLock::new(),
+            state: watch::Sender::new(LeaseState::Held { epoch }),
+            policy,
+        }
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<LeaseState> {
+        self.state.subscribe()
+    }
+
+    fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ok while the lease is neither lost nor past its local deadline. Every operation calls
+    /// this first, so a store whose renewal stalled fails fast instead of trying the database.
+    pub(crate) fn check(&self) -> Result<()> {
+        if let Some(reason) = self.lost.get() {
+            return Err(self.fail(reason.clone()));
+        }
+        if Instant::now() >= self.deadline() {
+            return Err(self.fail(LossReason::DeadlinePassed));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.get().is_some()
+    }
+
+    /// Marks the lease lost (the first reason wins, and is logged and published once), applies
+    /// the loss policy and returns the error to hand to the caller.
+    pub(crate) fn fail(&self, reason: LossReason) -> Error {
+        if self.lost.set(reason).is_ok() {
+            let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
+            tracing::error!(table = %self.table, epoch = self.epoch, %reason, "pgfence lease lost");
+            self.state.send_replace(LeaseState::Lost { epoch: self.epoch, reason });
+        }
+        let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
+        let error = Error::LeaseLost { epoch: self.epoch, reason };
+        match self.policy {
+            LeaseLossPolicy::FailClosed => error,
+            LeaseLossPolicy::Panic => panic!("pgfence: {error} (table {})", self.table),
+            LeaseLossPolicy::Abort => {
+                tracing::error!(table = %self.table, %error, "pgfence aborting the process");
+                eprintln!("pgfence: {error} (table {}); aborting the process", self.table);
+                std::process::abort()
+            }
+        }
+    }
+
+    /// A renewal that started at `started` was confirmed by the database.
+    fn confirmed(&self, started: Instant) {
+        // Never revive a lost lease: loss is permanent even if a late renewal succeeds.
+        if !self.is_lost() {
+            *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) = started + self.deadline_after;
+        }
+    }
+
+    fn released(&self) {
+        if !self.is_lost() {
+            tracing::info!(table = %self.table, epoch = self.epoch, "pgfence lease released");
+            self.state.send_replace(LeaseState::Released { epoch: self.epoch });
+        }
+    }
+}
+
+/// Where the renewal thread gets its connection.
+#[derive(Debug, Clone)]
+pub(crate) enum Connector {
+    /// Connects on the renewal thread's own runtime: fully independent of the application.
+    Config(Box<tokio_postgres::Config>),
+    /// An application-supplied pool: a connection is taken out of it for good (the pool
+    /// shrinks by one). Its I/O task runs on the runtime that created it.
+    Pool(deadpool_postgres::Pool),
+}
+
+enum Conn {
+    Own(tokio_postgres::Client),
+    Pooled(deadpool_postgres::ClientWrapper),
+}
+
+impl Conn {
+    fn client(&self) -> &tokio_postgres::Client {
+        match self {
+            Conn::Own(client) => client,
+            Conn::Pooled(wrapper) => wrapper,
+        }
+    }
+}
+
+impl Connector {
+    async fn connect(&self, timeout: Duration) -> Result<Conn> {
+        let operation = "connect (lease renewal)";
+        let connecting = async {
+            match self {
+                Connector::Config(config) => {
+                    let (client, connection) =
+                        config.connect(NoTls).await.map_err(Error::db(operation))?;
+                    tokio::spawn(async move {
+                        if let Err(e) = connection.await {
+                            tracing::debug!(error = %e, "pgfence renewal connection ended");
+                        }
+                    });
+                    Ok(Conn::Own(client))
+                }
+                Connector::Pool(pool) => {
+                    let object = pool.get().await.map_err(Error::pool(operation))?;
+                    Ok(Conn::Pooled(deadpool_postgres::Object::take(object)))
+                }
+            }
+        };
+        tokio::time::timeout(timeout, connecting)
+            .await
+            .map_err(|_| Error::Timeout { operation, after: timeout })?
+    }
+}
+
+/// Timings and statements the renewal thread needs.
+#[derive(Debug, Clone)]
+pub(crate) struct KeeperConfig {
+    pub(crate) connector: Connector,
+    pub(crate) renew_sql: String,
+    pub(crate) release_sql: String,
+    pub(crate) notify_channel: String,
+    pub(crate) ttl: Duration,
+    pub(crate) renew_interval: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) release_timeout: Duration,
+}
+
+type Reply = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// The renewal thread, owned by the store. Stopped by [`Keeper::shutdown`] (close) or
+/// [`Keeper::shutdown_blocking`] (drop); both release the lease by owner id.
+#[derive(Debug)]
+pub(crate) struct Keeper {
+    stop: mpsc::UnboundedSender<Reply>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Keeper {
+    pub(crate) fn spawn(lease: Arc<Lease>, config: KeeperConfig) -> Result<Keeper> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| Error::Runtime { source })?;
+        let (stop, stopped) = mpsc::unbounded_channel();
+        let thread = std::thread::Builder::new()
+            .name("pgfence-lease".to_owned())
+            .spawn(move || runtime.block_on(run(lease, config, stopped)))
+            .map_err(|source| Error::Runtime { source })?;
+        Ok(Keeper { stop, thread: Some(thread) })
+    }
+
+    /// Stops renewal and releases the lease; returns the release's result.
+    pub(crate) async fn shutdown(mut self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        let reply: Reply = Box::new(move |result| {
+            let _ = tx.send(result); // The closer may have given up waiting; nothing to do.
+        });
+        if self.stop.send(reply).is_err() {
+            return Ok(()); // The thread already ended (it panicked under LeaseLossPolicy::Panic).
+        }
+        let result = rx.await.unwrap_or(Ok(()));
+        if let Some(thread) = self.thread.take() {
+            // The reply is sent as the thread's last act, so this join is immediate.
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        result
+    }
+
+    /// Signals the thread to release and waits at most `timeout` for it. Never panics and never
+    /// blocks longer, in or outside any runtime: the release runs on the thread's own runtime.
+    pub(crate) fn shutdown_blocking(mut self, timeout: Duration) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let reply: Reply = Box::new(move |result| {
+            let _ = tx.send(result); // The dropper may have given up waiting; nothing to do.
+        });
+        if self.stop.send(reply).is_err() {
+            return;
+        }
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(())) => {
+                // Detach: the thread is past its last await and exits on its own.
+                drop(self.thread.take());
+            }
+            Ok(Err(e)) => tracing::error!(error = %e, "pgfence lease release failed on drop"),
+            Err(_) => tracing::error!(
+                ?timeout,
+                "pgfence lease release did not finish in time on drop; the lease expires by TTL"
+            ),
+        }
+    }
+}
+
+/// The renewal loop. Renews every `renew_interval` measured from the start of the previous
+/// confirmed renewal; a failed attempt is retried about every second until the local deadline,
+/// where the lease is declared lost. Missed ticks are skipped, never burst (sleeping until a
+/// computed instant, rather than a default tokio `interval`, gives exactly that).
+async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
+    let retry_every = config.renew_interval.min(Duration::from_secs(1));
+    let mut session: Option<Session> = None;
+    let mut next = Instant::now() + config.renew_interval;
+    let reply = loop {
+        let wake = if lease.is_lost() { None } else { Some(next) };
+        tokio::select! {
+            biased;
+            reply = stop.recv() => break reply,
+            _ = sleep_until(wake) => {}
+        }
+        let started = Instant::now();
+        let left = lease.deadline().saturating_duration_since(started);
+        if left.is_zero() {
+            let _ = lease.fail(LossReason::DeadlinePassed);
+            continue;
+        }
+        let attempt = config.renew_interval.min(left);
+        let outcome = tokio::select! {
+            biased;
+            reply = stop.recv() => break reply,
+            outcome = tokio::time::timeout(attempt, renew(&config, &lease, &mut session)) => outcome,
+        };
+        match outcome {
+            Ok(Ok(true)) => {
+                lease.confirmed(started);
+                tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
+                next = started + config.renew_interval;
+            }
+            Ok(Ok(false)) => {
+                let _ = lease.fail(LossReason::TakenOver);
+            }
+            Ok(Err(error)) => {
+                session = None; // Reconnect next time; the old connection may be broken.
+                tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                    "pgfence lease renewal failed; retrying until the local deadline");
+                next = Instant::now() + retry_every;
+            }
+            Err(_) => {
+                session = None;
+                tracing::warn!(table = %lease.table, epoch = lease.epoch, ?attempt,
+                    "pgfence lease renewal timed out; retrying until the local deadline");
+                next = Instant::now() + retry_every;
+            }
+        }
+    };
+    // Released by owner id, so this is safe even after a loss: it can only ever expire our own
+    // row, never a successor's. `None`: every handle is gone without asking; release all the same.
+    let result = tokio::time::timeout(config.release_timeout, release(&config, &lease, &mut session))
+        .await
+        .unwrap_or(Err(Error::Timeout { operation: "release", after: config.release_timeout }));
+    match &result {
+        Ok(()) => lease.released(),
+        Err(e) => tracing::error!(table = %lease.table, epoch = lease.epoch, error = %e,
+            "pgfence lease release failed; the lease expires by TTL"),
+    }
+    if let Some(reply) = reply {
+        reply(result);
+    }
+}
+
+async fn sleep_until(when: Option<Instant>) {
+    match when {
+        Some(when) => tokio::time::sleep_until(when.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The renewal thread's connection, with the renewal statement prepared once.
+struct Session {
+    conn: Conn,
+    renew: tokio_postgres::Statement,
+}
+
+async fn connected<'a>(config: &KeeperConfig, session: &'a mut Option<Session>) -> Result<&'a Session> {
+    if session.as_ref().is_none_or(|s| s.conn.client().is_closed()) {
+        *session = None;
+        let conn = config.connector.connect(config.connect_timeout).await?;
+        let renew = conn.client().prepare(&config.renew_sql).await.map_err(Error::db("prepare renewal"))?;
+        *session = Some(Session { conn, renew });
+    }
+    Ok(session.as_ref().expect("connected above"))
+}
+
+/// One renewal attempt: true when the database extended our lease.
+async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Option<Session>) -> Result<bool> {
+    let session = connected(config, session).await?;
+    let ttl_ms = config.ttl.as_millis() as i64;
+    let rows = session
+        .conn
+        .client()
+        .query(&session.renew, &[&lease.owner_id, &ttl_ms])
+        .await
+        .map_err(Error::db("renew lease"))?;
+    Ok(!rows.is_empty())
+}
+
+async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Option<Session>) -> Result<()> {
+    let session = connected(config, session).await?;
+    let rows = session
+        .conn
+        .client()
+        .query(&config.release_sql, &[&lease.owner_id, &config.notify_channel])
+        .await
+        .map_err(Error::db("release lease"))?;
+    if rows.is_empty() {
+        tracing::debug!(table = %lease.table, epoch = lease.epoch,
+            "pgfence lease was no longer ours or already expired at release");
+    }
+    Ok(())
+}

@@ -1,0 +1,22 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
+
+mod config;
+mod error;
+mod keys;
+mod lease;
+mod ordering;
+mod schema;
+mod sql;
+mod store;
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use config::{Builder, LeaseLossPolicy};
+pub use error::{Error, KeyPath, LossReason, Result};
+pub use keys::MAX_KEY_LEN;
+pub use lease::LeaseState;
+pub use schema::LeaseInfo;
+pub use store::{KvStore, Page, PageToken, PgKvStore};

@@ -1,0 +1,129 @@
+//! Per-key write ordering, fixed when a method is called rather than when its future runs.
+//!
+//! Every mutation of a key takes a version number synchronously, in the call to `write` or
+//! `remove`. When its future runs it takes the key's async lock and applies its change only if
+//! no later version has been applied yet; otherwise it was superseded and returns `Ok` without
+//! touching the database (the later call's value is the one the caller asked for last). So
+//! whatever order futures are polled or complete in, the key ends in the state of the last
+//! call that succeeded, and an earlier call can never overwrite a later one.
+//!
+//! The key lock is held across the whole statement, including retries of a statement whose
+//! outcome is unknown: a retry can therefore never land after a later call's write.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
+
+use crate::error::KeyPath;
+
+/// The versions and locks of keys with mutations in flight. Entries are removed when the last
+/// ticket of a key is dropped, so the map only holds keys currently being mutated.
+#[derive(Debug, Default)]
+pub(crate) struct KeyOrder {
+    slots: Mutex<HashMap<KeyPath, Arc<Slot>>>,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// Next version to hand out. Only touched under the `slots` map lock.
+    next_version: Mutex<u64>,
+    /// The highest version applied to the database, guarded by the key's async lock.
+    applied: Arc<AsyncMutex<u64>>,
+}
+
+/// A mutation's place in its key's order, taken when the method is called.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    order: Arc<KeyOrder>,
+    path: KeyPath,
+    slot: Arc<Slot>,
+    version: u64,
+}
+
+/// The key lock, held while a mutation runs.
+#[derive(Debug)]
+pub(crate) struct Turn {
+    applied: OwnedMutexGuard<u64>,
+    version: u64,
+}
+
+impl KeyOrder {
+    /// Takes the next version of `path`. Synchronous: call it in the method, not in the future.
+    pub(crate) fn ticket(self: &Arc<Self>, path: KeyPath) -> Ticket {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = Arc::clone(slots.entry(path.clone()).or_default());
+        let mut next = slot.next_version.lock().unwrap_or_else(|e| e.into_inner());
+        *next += 1;
+        let version = *next;
+        drop(next);
+        Ticket { order: Arc::clone(self), path, slot, version }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.slots.lock().unwrap().len()
+    }
+}
+
+impl Ticket {
+    /// Waits for the key's lock. `None`: a later call of this key has already been applied,
+    /// so this one is superseded and must not touch the database.
+    pub(crate) async fn turn(&self) -> Option<Turn> {
+        let applied = Arc::clone(&self.slot.applied).lock_owned().await;
+        (*applied < self.version).then_some(Turn { applied, version: self.version })
+    }
+
+    pub(crate) fn path(&self) -> &KeyPath {
+        &self.path
+    }
+}
+
+impl Turn {
+    /// Records that this version reached the database.
+    pub(crate) fn applied(mut self) {
+        *self.applied = self.version;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut slots = self.order.slots.lock().unwrap_or_else(|e| e.into_inner());
+        // The map holds one reference and this ticket another: no other ticket of this key
+        // exists, and none can be created while we hold the map lock, so the entry can go.
+        if Arc::strong_count(&self.slot) == 2 {
+            slots.remove(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(key: &str) -> KeyPath {
+        KeyPath { primary_namespace: "p".into(), secondary_namespace: "s".into(), key: key.into() }
+    }
+
+    #[tokio::test]
+    async fn later_call_supersedes_earlier_one() {
+        let order = Arc::new(KeyOrder::default());
+        let first = order.ticket(path("k"));
+        let second = order.ticket(path("k"));
+        let other = order.ticket(path("other"));
+        second.turn().await.expect("second runs first").applied();
+        assert!(first.turn().await.is_none(), "first was superseded by second");
+        assert!(other.turn().await.is_some(), "other keys are independent");
+        drop((first, second, other));
+        assert_eq!(order.len(), 0, "entries go when the last ticket goes");
+    }
+
+    #[tokio::test]
+    async fn failed_mutation_does_not_supersede() {
+        let order = Arc::new(KeyOrder::default());
+        let first = order.ticket(path("k"));
+        let second = order.ticket(path("k"));
+        drop(second.turn().await.expect("second runs")); // failed: not applied
+        assert!(first.turn().await.is_some(), "first still runs after second failed");
+    }
+}

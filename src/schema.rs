@@ -1,0 +1,173 @@
+//! The setup transaction: serialize, create or migrate the schema, take the lease; all or
+//! nothing.
+
+use std::time::{Duration, Instant};
+
+use tokio_postgres::error::SqlState;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::keys::TableName;
+use crate::sql::{self, Statements};
+
+/// The newest schema version this library knows.
+pub(crate) fn latest_version() -> i32 {
+    sql::MIGRATIONS.last().map_or(0, |(version, _)| *version)
+}
+
+/// A lease just taken.
+#[derive(Debug)]
+pub(crate) struct Acquired {
+    pub(crate) owner_id: Uuid,
+    pub(crate) epoch: i64,
+    /// When the acquiring statement was sent: the local deadline counts from here, which is
+    /// before the database computed the expiry.
+    pub(crate) started: Instant,
+}
+
+/// Who describes itself in the lease row.
+#[derive(Debug)]
+pub(crate) struct Holder {
+    pub(crate) host: String,
+    pub(crate) pid: i32,
+    pub(crate) app: String,
+}
+
+/// Runs the whole setup in one transaction: a transaction-scoped advisory lock keyed by the
+/// table serializes concurrent setups (8 stores opening a fresh database at once: one creates
+/// the schema and wins the lease, the others wait, then find the lease held); the schema is
+/// created or migrated; the lease is taken if absent or expired. If the lease is held, or
+/// anything fails, the transaction rolls back: schema changes included.
+pub(crate) async fn setup_and_acquire(
+    client: &mut tokio_postgres::Client,
+    table: &TableName,
+    statements: &Statements,
+    ttl: Duration,
+    holder: &Holder,
+) -> Result<Acquired> {
+    let tx = client.transaction().await.map_err(Error::db("begin setup"))?;
+    tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.display()])
+        .await
+        .map_err(Error::db("setup lock"))?;
+    if table.schema.is_some() {
+        tx.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table))
+            .await
+            .map_err(Error::db("create schema"))?;
+    }
+    tx.batch_execute(&statements.create_version_table)
+        .await
+        .map_err(Error::db("create version table"))?;
+    let found: i32 = tx
+        .query_one(&statements.schema_version, &[])
+        .await
+        .map_err(Error::db("read schema version"))?
+        .get(0);
+    if found > latest_version() {
+        // Dropping `tx` rolls back; say it explicitly so the error is the one returned.
+        tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        return Err(Error::SchemaTooNew {
+            table: table.display(),
+            found,
+            supported: latest_version(),
+        });
+    }
+    for (version, migration) in sql::MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+        tx.batch_execute(&sql::substitute(migration, table))
+            .await
+            .map_err(Error::db("migrate schema"))?;
+        tx.execute(&statements.record_version, &[version])
+            .await
+            .map_err(Error::db("record schema version"))?;
+        tracing::info!(table = %table.display(), version, "pgfence schema migrated");
+    }
+
+    let owner_id = Uuid::new_v4();
+    let ttl_ms = ttl.as_millis() as i64;
+    let started = Instant::now();
+    let rows = tx
+        .query(&statements.acquire, &[&owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app])
+        .await
+        .map_err(Error::db("acquire lease"))?;
+    let Some(row) = rows.first() else {
+        let held = held_error(&tx, table, statements).await;
+        tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        return Err(held?);
+    };
+    let epoch: i64 = row.get(0);
+    tx.commit().await.map_err(Error::db("commit setup"))?;
+    Ok(Acquired { owner_id, epoch, started })
+}
+
+/// The current holder of the lease, as seen by operators and by `LeaseHeld`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseInfo {
+    /// The holder's owner id (unique per acquisition).
+    pub owner_id: Uuid,
+    /// The holder's fencing token.
+    pub epoch: i64,
+    /// Host, process id and application name, as `app pid@host`.
+    pub holder: String,
+    /// Time left by the database clock; zero when expired or released.
+    pub expires_in: Duration,
+    /// Whether the lease is currently valid.
+    pub active: bool,
+}
+
+/// Reads the lease row; `None` if the lease was never taken.
+pub(crate) async fn lease_info(
+    client: &impl tokio_postgres::GenericClient,
+    statements: &Statements,
+) -> Result<Option<LeaseInfo>> {
+    let rows = client.query(&statements.holder, &[]).await.map_err(Error::db("read lease"))?;
+    Ok(rows.first().map(|row| {
+        let host: String = row.get("holder_host");
+        let pid: i32 = row.get("holder_pid");
+        let app: String = row.get("holder_app");
+        let expires_in_ms: i64 = row.get("expires_in_ms");
+        LeaseInfo {
+            owner_id: row.get("owner_id"),
+            epoch: row.get("epoch"),
+            holder: format!("{app} {pid}@{host}"),
+            expires_in: Duration::from_millis(expires_in_ms.max(0) as u64),
+            active: expires_in_ms > 0,
+        }
+    }))
+}
+
+async fn held_error(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    statements: &Statements,
+) -> Result<Error> {
+    let info = lease_info(tx, statements).await?;
+    let (holder, epoch, expires_in) = match info {
+        Some(info) => (info.holder, info.epoch, info.expires_in),
+        // The upsert found a conflicting row, so it exists; keep a sane answer regardless.
+        None => ("unknown".to_owned(), 0, Duration::ZERO),
+    };
+    Ok(Error::LeaseHeld { table: table.display(), holder, epoch, expires_in })
+}
+
+/// Creates the database named in `config` when it does not exist (connecting to the
+/// `postgres` database with the same credentials). A concurrent creation is not an error.
+pub(crate) async fn create_database(config: &tokio_postgres::Config) -> Result<()> {
+    let name = config.get_dbname().or(config.get_user()).unwrap_or("postgres").to_owned();
+    let mut admin = config.clone();
+    admin.dbname("postgres");
+    let (client, connection) =
+        admin.connect(tokio_postgres::NoTls).await.map_err(Error::db("connect to create database"))?;
+    let connection = tokio::spawn(connection);
+    // Database names cannot be bind parameters; quote the identifier (doubling quotes).
+    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+    let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;
+    drop(client);
+    let _ = connection.await; // Ends once the client is gone.
+    match result {
+        Ok(()) => {
+            tracing::info!(database = %name, "pgfence created the database");
+            Ok(())
+        }
+        Err(e) if e.code() == Some(&SqlState::DUPLICATE_DATABASE) => Ok(()),
+        Err(source) => Err(Error::Database { operation: "create database", source }),
+    }
+}

@@ -1,0 +1,204 @@
+//! Every SQL statement pgfence runs, in one place, readable and pasteable into `psql`.
+//!
+//! `{kv}`, `{lease}` and `{version}` stand for the quoted names of the KV table, the lease
+//! table and the schema-version table; [`Statements::new`] substitutes them once per store.
+//! Table names are validated to `[A-Za-z_][A-Za-z0-9_]*` before they get here, so the
+//! substitution can never escape the quotes. Every value is a bind parameter.
+//!
+//! All expiry arithmetic uses the database clock (`clock_timestamp()`), never the local one.
+
+use crate::keys::TableName;
+
+/// Class key for `pg_advisory_xact_lock(class, object)`: the ASCII bytes "pgfe". The two-key
+/// form keeps pgfence's locks apart from an application's one-key advisory locks; the object
+/// key is `hashtext` of the table name, so setups of different tables never wait on each other.
+pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
+
+/// Serializes concurrent setups of one table. Transaction-scoped: released at commit or
+/// rollback, on the connection that took it, so it is safe on a pooled connection (a
+/// session-scoped lock is not: see the design notes).
+pub(crate) const SETUP_LOCK: &str = "SELECT pg_advisory_xact_lock($1::int, hashtext($2::text))";
+
+pub(crate) const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
+
+pub(crate) const CREATE_VERSION_TABLE: &str = r#"
+CREATE TABLE IF NOT EXISTS {version} (
+    version    INT         PRIMARY KEY,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+)"#;
+
+pub(crate) const SCHEMA_VERSION: &str = "SELECT coalesce(max(version), 0) FROM {version}";
+
+pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES ($1)";
+
+/// Takes the lease if the row is absent or expired; returns the new epoch, or no row when the
+/// lease is held. Changing `owner_id` (a key column) takes a FOR UPDATE row lock, so this waits
+/// for every in-flight mutation of the previous owner (FOR KEY SHARE) to commit: the fence.
+/// The WHERE and the new expiry are evaluated after that wait, against the latest row.
+pub(crate) const ACQUIRE: &str = r#"
+INSERT INTO {lease} AS l
+       (id, owner_id, epoch, expires_at, acquired_at, holder_host, holder_pid, holder_app)
+VALUES (1, $1, 1, clock_timestamp() + $2::bigint * interval '1 millisecond',
+        clock_timestamp(), $3, $4, $5)
+ON CONFLICT (id) DO UPDATE
+   SET owner_id    = EXCLUDED.owner_id,
+       epoch       = l.epoch + 1,
+       expires_at  = clock_timestamp() + $2::bigint * interval '1 millisecond',
+       acquired_at = clock_timestamp(),
+       holder_host = EXCLUDED.holder_host,
+       holder_pid  = EXCLUDED.holder_pid,
+       holder_app  = EXCLUDED.holder_app
+ WHERE l.expires_at <= clock_timestamp()
+RETURNING epoch"#;
+
+/// Who holds the lease and for how long still (milliseconds, by the database clock; negative
+/// when expired). No row: the lease was never taken.
+pub(crate) const HOLDER: &str = r#"
+SELECT owner_id, epoch, holder_host, holder_pid, holder_app,
+       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms
+  FROM {lease}
+ WHERE id = 1"#;
+
+/// Extends our lease. Changes only `expires_at` (not a key column), so it takes a FOR NO KEY
+/// UPDATE row lock, which does not conflict with the writers' FOR KEY SHARE: heavy write
+/// traffic cannot starve renewal. No row: the lease is no longer ours (or already expired,
+/// which must not be resurrected).
+pub(crate) const RENEW: &str = r#"
+UPDATE {lease}
+   SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
+ WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+RETURNING epoch"#;
+
+/// Gives the lease up by owner id: a stale store can never release its successor's lease.
+/// Expires the row now and keeps the epoch counter. `pg_notify` (delivered at commit) wakes
+/// standbys listening on the table's channel.
+pub(crate) const RELEASE: &str = r#"
+WITH released AS (
+    UPDATE {lease}
+       SET expires_at = clock_timestamp()
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+    RETURNING epoch
+)
+SELECT epoch, pg_notify($2, epoch::text) FROM released"#;
+
+/// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
+/// (FOR KEY SHARE) only if we own it and it has not expired; the insert reads from it, so it
+/// writes nothing when the lease is gone. The lock is held until commit, so a takeover waits
+/// for this statement. Returns whether the lease was held (false: nothing was written).
+pub(crate) const WRITE: &str = r#"
+WITH lease AS (
+    SELECT epoch FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT $2, $3, $4, $5, lease.epoch FROM lease
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+)
+SELECT EXISTS (SELECT 1 FROM lease)"#;
+
+/// The fenced remove, shaped like [`WRITE`]: the delete joins the `lease` CTE, so it removes
+/// nothing when the lease is gone. Removing a missing key is not an error.
+pub(crate) const REMOVE: &str = r#"
+WITH lease AS (
+    SELECT epoch FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), removed AS (
+    DELETE FROM {kv} USING lease
+     WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
+)
+SELECT EXISTS (SELECT 1 FROM lease)"#;
+
+pub(crate) const READ: &str = r#"
+SELECT value FROM {kv}
+ WHERE primary_namespace = $1 AND secondary_namespace = $2 AND key = $3"#;
+
+pub(crate) const LIST: &str = r#"
+SELECT key FROM {kv}
+ WHERE primary_namespace = $1 AND secondary_namespace = $2
+ ORDER BY key"#;
+
+/// One page, newest-created first. `$3` is the page token (the `created_seq` of the last key
+/// of the previous page; `i64::MAX` for the first page), so deleting keys between pages never
+/// shifts or repeats a page. Asks for one row more than a page to know whether another follows.
+pub(crate) const LIST_PAGE: &str = r#"
+SELECT key, created_seq FROM {kv}
+ WHERE primary_namespace = $1 AND secondary_namespace = $2 AND created_seq < $3
+ ORDER BY created_seq DESC
+ LIMIT $4"#;
+
+pub(crate) const LIST_ALL: &str = r#"
+SELECT primary_namespace, secondary_namespace, key FROM {kv}
+ ORDER BY primary_namespace, secondary_namespace, key"#;
+
+/// Migrations, numbered from 1, embedded at build time. `{kv_created_index}` names an index
+/// (unqualified: PostgreSQL puts it in the table's schema).
+pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("../migrations/0001_init.sql")),
+    (2, include_str!("../migrations/0002_pagination_index.sql")),
+];
+
+/// The statements of one store, with its table names substituted.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) create_version_table: String,
+    pub(crate) schema_version: String,
+    pub(crate) record_version: String,
+    pub(crate) acquire: String,
+    pub(crate) holder: String,
+    pub(crate) renew: String,
+    pub(crate) release: String,
+    pub(crate) write: String,
+    pub(crate) remove: String,
+    pub(crate) read: String,
+    pub(crate) list: String,
+    pub(crate) list_page: String,
+    pub(crate) list_all: String,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &TableName) -> Statements {
+        let s = |sql: &str| substitute(sql, table);
+        Statements {
+            create_version_table: s(CREATE_VERSION_TABLE),
+            schema_version: s(SCHEMA_VERSION),
+            record_version: s(RECORD_VERSION),
+            acquire: s(ACQUIRE),
+            holder: s(HOLDER),
+            renew: s(RENEW),
+            release: s(RELEASE),
+            write: s(WRITE),
+            remove: s(REMOVE),
+            read: s(READ),
+            list: s(LIST),
+            list_page: s(LIST_PAGE),
+            list_all: s(LIST_ALL),
+        }
+    }
+}
+
+/// Replaces the name placeholders with the quoted table names.
+pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
+    let schema = table.schema.as_deref().unwrap_or("public");
+    sql.replace("{kv_created_index}", &format!("\"{}_created_idx\"", table.name))
+        .replace("{kv}", &table.quoted(""))
+        .replace("{lease}", &table.quoted("_lease"))
+        .replace("{version}", &table.quoted("_schema_version"))
+        .replace("{schema}", &format!("\"{schema}\""))
+}
+
+/// The NOTIFY channel a release signals on, for standbys to LISTEN to. Channel names are
+/// identifiers (at most 63 bytes); a long table name is shortened with a stable hash.
+pub(crate) fn notify_channel(table: &TableName) -> String {
+    let name = table.display();
+    if name.len() <= 55 {
+        return format!("pgfence_{name}");
+    }
+    // FNV-1a: stable across builds and platforms (std's hasher is not).
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("pgfence_{}_{hash:016x}", &name[..38])
+}

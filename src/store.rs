@@ -1,0 +1,604 @@
+//! `PgKvStore`: open, read, write, remove, list, paginate, close.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio::sync::{RwLock, watch};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::config::{Builder, Source, host_name};
+use crate::error::{Error, KeyPath, LossReason, Result};
+use crate::keys::{TableName, check_key, check_namespaces};
+use crate::lease::{Connector, Keeper, KeeperConfig, Lease, LeaseState};
+use crate::ordering::{KeyOrder, Ticket};
+use crate::schema::{self, Holder, LeaseInfo};
+use crate::sql::{self, Statements};
+
+/// A key-value store in PostgreSQL that only the holder of the table's lease may mutate.
+///
+/// # Guarantees
+///
+/// - **Fencing.** Every `write` and `remove` is one SQL statement that checks, under a
+///   `FOR KEY SHARE` lock on the lease row, that this store still owns an unexpired lease, and
+///   mutates only if so. A takeover must change the lease row's owner, which waits for that
+///   lock: no write of this store can commit after another store acquired the lease.
+/// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed
+///   (or was superseded by a later call to the same key that is committed).
+/// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
+///   methods were *called*, whatever order their futures are polled or complete in: a later
+///   call's value is never overwritten by an earlier one.
+/// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
+///   deadline (which comes before the database expiry), every operation returns
+///   [`Error::LeaseLost`], reads included, permanently, and [`PgKvStore::lease_state`] reports
+///   [`LeaseState::Lost`]. The [`crate::LeaseLossPolicy`] decides whether it also panics or
+///   aborts.
+/// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
+///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
+///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
+///   releases its successor's. A crashed store's lease is taken over after it expires.
+/// - **Reads** see committed data only: a read returns the latest committed value of the key
+///   at the time its statement runs.
+///
+/// Cloning is cheap and shares one store (one lease).
+#[derive(Debug, Clone)]
+pub struct PgKvStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    pool: Pool,
+    table: TableName,
+    statements: Statements,
+    lease: Arc<Lease>,
+    order: Arc<KeyOrder>,
+    closed: AtomicBool,
+    /// Every operation holds a read guard while it runs; `close()` takes the write guard to
+    /// wait for them. tokio's RwLock is fair, so operations that start after `close()` queue
+    /// behind it and then see `closed`.
+    gate: RwLock<()>,
+    keeper: Mutex<Option<Keeper>>,
+    max_value_size: usize,
+    page_size: usize,
+    drop_timeout: Duration,
+    /// How long an operation retries a broken connection or an unavailable server.
+    retry_for: Duration,
+}
+
+/// An opaque position in a newest-first listing, from [`Page::next_page_token`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PageToken(String);
+
+impl PageToken {
+    /// Wraps a token previously taken from [`PageToken::as_str`].
+    pub fn new(token: impl Into<String>) -> PageToken {
+        PageToken(token.into())
+    }
+
+    /// The token as a string, to store or send elsewhere.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// One page of [`PgKvStore::list_paginated`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// Keys, newest-created first (an overwrite keeps a key's original position).
+    pub keys: Vec<String>,
+    /// Where the next page starts; `None` on the last page.
+    pub next_page_token: Option<PageToken>,
+}
+
+/// The read/write/remove/list interface of a key-value store, as `PgKvStore` implements it.
+///
+/// `write` and `remove` are plain functions returning `'static + Send` futures: validation and
+/// the key's place in the per-key order happen when they are called.
+pub trait KvStore {
+    /// Reads a value; [`Error::NotFound`] if the key does not exist.
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Vec<u8>>> + Send;
+
+    /// Writes a value, creating or replacing the key.
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static;
+
+    /// Removes a key; removing a missing key is not an error. `lazy` removes may be executed
+    /// eagerly (this store always does).
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static;
+
+    /// Lists the keys of a namespace pair (sorted); empty for an unknown namespace.
+    fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send;
+}
+
+impl PgKvStore {
+    /// Starts configuring a store from a connection string (`postgres://user:pass@host/db` or
+    /// `host=... user=...`). An unparsable string is reported by [`Builder::open`].
+    pub fn builder(connection_string: &str) -> Builder {
+        match connection_string.parse::<tokio_postgres::Config>() {
+            Ok(config) => Builder::new(Source::Config(Box::new(config))),
+            // The parser's message never contains the string itself, so no password leaks.
+            Err(e) => Builder::new(Source::Invalid(e.to_string())),
+        }
+    }
+
+    /// Starts configuring a store from a `tokio_postgres::Config`.
+    pub fn builder_from_config(config: tokio_postgres::Config) -> Builder {
+        Builder::new(Source::Config(Box::new(config)))
+    }
+
+    /// Starts configuring a store on an existing pool. The renewal task takes one connection
+    /// out of the pool for good (the pool's size shrinks by one); its I/O then runs on the
+    /// runtime that created it. For renewal fully independent of the application's runtime,
+    /// use [`PgKvStore::builder`] or [`PgKvStore::builder_from_config`].
+    pub fn builder_from_pool(pool: Pool) -> Builder {
+        Builder::new(Source::Pool(pool))
+    }
+
+    /// Reads a value; [`Error::NotFound`] if the key does not exist.
+    pub async fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<Vec<u8>> {
+        check_key(primary_namespace, secondary_namespace, key)?;
+        let inner = &self.inner;
+        let span = inner.span("read", primary_namespace, secondary_namespace, key);
+        async {
+            let rows = inner
+                .query("read", &inner.statements.read, &[
+                    &primary_namespace,
+                    &secondary_namespace,
+                    &key,
+                ])
+                .await?;
+            match rows.first() {
+                Some(row) => Ok(row.get(0)),
+                None => Err(Error::NotFound(Box::new(KeyPath {
+                    primary_namespace: primary_namespace.to_owned(),
+                    secondary_namespace: secondary_namespace.to_owned(),
+                    key: key.to_owned(),
+                }))),
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Writes a value, creating or replacing the key. The key's place in the per-key order is
+    /// taken now, in this call; the returned future does the work and may outlive this handle.
+    /// `Ok` means committed under this store's lease (or superseded by a later call).
+    pub fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let inner = Arc::clone(&self.inner);
+        let prepared = check_key(primary_namespace, secondary_namespace, key)
+            .and_then(|()| inner.check_value(&value))
+            .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
+        let span = inner.span("write", primary_namespace, secondary_namespace, key);
+        async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span)
+    }
+
+    /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
+    /// key like `write` itself. `lazy` is accepted for LDK's interface; removes are always
+    /// executed eagerly.
+    pub fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let _ = lazy;
+        let inner = Arc::clone(&self.inner);
+        let prepared = check_key(primary_namespace, secondary_namespace, key)
+            .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
+        let span = inner.span("remove", primary_namespace, secondary_namespace, key);
+        async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span)
+    }
+
+    /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
+    pub async fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> Result<Vec<String>> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let inner = &self.inner;
+        let span = inner.span("list", primary_namespace, secondary_namespace, "");
+        async {
+            let rows = inner
+                .query("list", &inner.statements.list, &[&primary_namespace, &secondary_namespace])
+                .await?;
+            Ok(rows.iter().map(|row| row.get(0)).collect())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// One page of a namespace pair's keys, newest-created first. Pass `None` for the first
+    /// page and then each page's `next_page_token`. Keys deleted between pages never make a
+    /// page repeat or skip a surviving key; keys created after the listing started are not
+    /// included in later pages.
+    pub async fn list_paginated(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        page_token: Option<PageToken>,
+    ) -> Result<Page> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let before: i64 = match &page_token {
+            None => i64::MAX,
+            Some(token) => token.0.parse().map_err(|_| Error::InvalidKey {
+                what: "page token",
+                value: token.0.clone(),
+                reason: "not a token returned by list_paginated",
+            })?,
+        };
+        let inner = &self.inner;
+        let span = inner.span("list_paginated", primary_namespace, secondary_namespace, "");
+        async {
+            let limit = inner.page_size as i64 + 1;
+            let rows = inner
+                .query("list_paginated", &inner.statements.list_page, &[
+                    &primary_namespace,
+                    &secondary_namespace,
+                    &before,
+                    &limit,
+                ])
+                .await?;
+            let more = rows.len() > inner.page_size;
+            let rows = &rows[..rows.len().min(inner.page_size)];
+            let next_page_token = match rows.last() {
+                Some(last) if more => Some(PageToken(last.get::<_, i64>(1).to_string())),
+                _ => None,
+            };
+            Ok(Page { keys: rows.iter().map(|row| row.get(0)).collect(), next_page_token })
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, sorted.
+    pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
+        let inner = &self.inner;
+        let span = inner.span("list_all_keys", "", "", "");
+        async {
+            let rows = inner.query("list_all_keys", &inner.statements.list_all, &[]).await?;
+            Ok(rows.iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The lease epoch this store holds: the fencing token, strictly increasing with every
+    /// acquisition of the table's lease. Every row records the epoch that last wrote it.
+    pub fn fencing_token(&self) -> i64 {
+        self.inner.lease.epoch
+    }
+
+    /// This store's owner id in the lease row (unique per acquisition).
+    pub fn owner_id(&self) -> Uuid {
+        self.inner.lease.owner_id
+    }
+
+    /// The table, as configured.
+    pub fn table(&self) -> String {
+        self.inner.table.display()
+    }
+
+    /// Watches the lease: `Held` until it is lost (`Lost { reason }`, permanent) or given up
+    /// (`Released`). Await `changed()` on it to learn of a loss the moment it is known.
+    pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
+        self.inner.lease.subscribe()
+    }
+
+    /// The lease row as the database sees it now (holder, epoch, time left).
+    pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
+        let client = self.inner.pool.get().await.map_err(Error::pool("read lease"))?;
+        schema::lease_info(&**client, &self.inner.statements).await
+    }
+
+    /// Closes the store: new operations get [`Error::Closed`], operations already running
+    /// finish, renewal stops and the lease is released by owner id (expired now; the epoch
+    /// counter is kept), so another store can open at once. Returns the release's result.
+    /// Closing again returns `Ok`.
+    pub async fn close(&self) -> Result<()> {
+        let inner = &self.inner;
+        inner.closed.store(true, Ordering::SeqCst);
+        drop(inner.gate.write().await);
+        let keeper = inner.keeper.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let result = match keeper {
+            Some(keeper) => keeper.shutdown().await,
+            None => Ok(()),
+        };
+        inner.pool.close();
+        result
+    }
+}
+
+impl KvStore for PgKvStore {
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Vec<u8>>> + Send {
+        PgKvStore::read(self, primary_namespace, secondary_namespace, key)
+    }
+
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        PgKvStore::write(self, primary_namespace, secondary_namespace, key, value)
+    }
+
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        PgKvStore::remove(self, primary_namespace, secondary_namespace, key, lazy)
+    }
+
+    fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send {
+        PgKvStore::list(self, primary_namespace, secondary_namespace)
+    }
+}
+
+enum Mutation {
+    Write(Vec<u8>),
+    Remove,
+}
+
+impl Inner {
+    fn ticket(&self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Ticket {
+        self.order.ticket(KeyPath {
+            primary_namespace: primary_namespace.to_owned(),
+            secondary_namespace: secondary_namespace.to_owned(),
+            key: key.to_owned(),
+        })
+    }
+
+    fn check_value(&self, value: &[u8]) -> Result<()> {
+        if value.len() > self.max_value_size {
+            return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
+        }
+        Ok(())
+    }
+
+    fn span(&self, operation: &'static str, primary: &str, secondary: &str, key: &str) -> tracing::Span {
+        tracing::debug_span!(
+            "pgfence",
+            operation,
+            table = %self.table.display(),
+            primary_namespace = primary,
+            secondary_namespace = secondary,
+            key,
+            epoch = self.lease.epoch,
+        )
+    }
+
+    /// Runs one fenced mutation in its key's turn.
+    async fn mutate(&self, ticket: Ticket, mutation: Mutation) -> Result<()> {
+        let Some(turn) = ticket.turn().await else {
+            return Ok(()); // A later call to this key is already committed.
+        };
+        let path = ticket.path();
+        let owner = self.lease.owner_id;
+        let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
+        // The key's turn is held across retries: a retried statement can never land after a
+        // later call's write.
+        let rows = match &mutation {
+            Mutation::Write(value) => {
+                self.query("write", &self.statements.write, &[&owner, pn, sn, key, value]).await?
+            }
+            Mutation::Remove => {
+                self.query("remove", &self.statements.remove, &[&owner, pn, sn, key]).await?
+            }
+        };
+        let lease_held: bool = rows.first().is_some_and(|row| row.get(0));
+        if !lease_held {
+            return Err(self.lease.fail(LossReason::Fenced));
+        }
+        turn.applied();
+        Ok(())
+    }
+
+    /// Runs a prepared statement (prepared once per pooled connection) and returns its rows.
+    ///
+    /// Fails fast with `Closed` or `LeaseLost` before touching the database. A broken connection
+    /// or an unavailable server is retried on a fresh connection, with backoff, while the lease
+    /// is locally valid and for at most `retry_for`. Retrying a mutation whose outcome is
+    /// unknown is safe here because the caller holds the key's turn: the value is idempotent
+    /// per key, and nothing later of that key can have run in between.
+    async fn query(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
+        let _running = self.gate.read().await;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        let started = tokio::time::Instant::now();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            self.lease.check()?;
+            let attempt = async {
+                let client = self.pool.get().await.map_err(Error::pool(operation))?;
+                let statement = client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                client.query(&statement, params).await.map_err(Error::db(operation))
+            };
+            match attempt.await {
+                Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
+                    tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh connection");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                result => return result,
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    /// The last handle and the last outstanding operation are gone: stop renewal and release
+    /// the lease, waiting at most `drop_timeout`. The release runs on the renewal thread's own
+    /// runtime, so this works in any runtime flavor or none.
+    fn drop(&mut self) {
+        let keeper = self.keeper.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(keeper) = keeper {
+            keeper.shutdown_blocking(self.drop_timeout);
+        }
+    }
+}
+
+impl Builder {
+    /// Checks the options, connects, creates or migrates the schema and takes the lease, all in
+    /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
+    /// live store holds the lease. Creates the database if it does not exist and the role may.
+    pub async fn open(self) -> Result<PgKvStore> {
+        let table = self.validate()?;
+        let statements = Statements::new(&table);
+        let deadline_after = self.deadline();
+        let (pool, connector, config) = match &self.source {
+            Source::Config(config) => {
+                let mut config = config.clone();
+                if config.get_connect_timeout().is_none() {
+                    config.connect_timeout(self.connect_timeout);
+                }
+                if config.get_application_name().is_none() {
+                    config.application_name(&format!("pgfence {}", self.application_name));
+                }
+                let manager = Manager::from_config(
+                    (*config).clone(),
+                    NoTls,
+                    ManagerConfig { recycling_method: RecyclingMethod::Fast },
+                );
+                let pool = Pool::builder(manager)
+                    .max_size(self.pool_size)
+                    .runtime(Runtime::Tokio1)
+                    .create_timeout(Some(self.connect_timeout))
+                    .recycle_timeout(Some(self.connect_timeout))
+                    .build()
+                    .map_err(|e| Error::config("pool", e.to_string()))?;
+                (pool, Connector::Config(config.clone()), Some(config))
+            }
+            Source::Pool(pool) => (pool.clone(), Connector::Pool(pool.clone()), None),
+            Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
+        };
+
+        let mut client = match pool.get().await {
+            Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
+                let Some(config) = &config else {
+                    return Err(Error::Pool { operation: "connect", source: Box::new(PoolError::Backend(e)) });
+                };
+                schema::create_database(config).await?;
+                pool.get().await.map_err(Error::pool("connect"))?
+            }
+            other => other.map_err(Error::pool("connect"))?,
+        };
+        let holder = Holder {
+            host: host_name(),
+            pid: std::process::id() as i32,
+            app: self.application_name.clone(),
+        };
+        let acquired =
+            schema::setup_and_acquire(&mut client, &table, &statements, self.lease_ttl, &holder)
+                .await?;
+        tracing::info!(table = %table.display(), epoch = acquired.epoch,
+            owner_id = %acquired.owner_id, "pgfence lease acquired");
+
+        let lease = Arc::new(Lease::new(
+            acquired.owner_id,
+            acquired.epoch,
+            table.display(),
+            acquired.started,
+            deadline_after,
+            self.on_lease_lost,
+        ));
+        let keeper_config = KeeperConfig {
+            connector,
+            renew_sql: statements.renew.clone(),
+            release_sql: statements.release.clone(),
+            notify_channel: sql::notify_channel(&table),
+            ttl: self.lease_ttl,
+            renew_interval: self.renew_interval,
+            connect_timeout: self.connect_timeout,
+            release_timeout: self.drop_timeout,
+        };
+        let keeper = match Keeper::spawn(Arc::clone(&lease), keeper_config) {
+            Ok(keeper) => keeper,
+            Err(e) => {
+                // No renewal means no lease: give it back now rather than by TTL.
+                let channel = sql::notify_channel(&table);
+                if let Err(release) =
+                    client.query(&statements.release, &[&acquired.owner_id, &channel]).await
+                {
+                    tracing::error!(error = %release, "pgfence could not release after a failed start");
+                }
+                return Err(e);
+            }
+        };
+        drop(client);
+        Ok(PgKvStore {
+            inner: Arc::new(Inner {
+                pool,
+                table,
+                statements,
+                lease,
+                order: Arc::new(KeyOrder::default()),
+                closed: AtomicBool::new(false),
+                gate: RwLock::new(()),
+                keeper: Mutex::new(Some(keeper)),
+                max_value_size: self.max_value_size,
+                page_size: self.page_size,
+                drop_timeout: self.drop_timeout,
+                retry_for: self.lease_ttl,
+            }),
+        })
+    }
+}

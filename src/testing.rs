@@ -1,0 +1,1134 @@
+//! Test support: real PostgreSQL servers for tests, and a fault-injecting TCP proxy.
+//!
+//! Compiled only with the `testing` cargo feature. The crate's own tests, examples and benches
+//! get it through a self dev-dependency; nothing here is meant for production use.
+//!
+//! - [`TestServer::shared`] gives every test of a process the same server: the one named by
+//!   `DATABASE_URL` when that is set, otherwise one private temporary cluster, started on first
+//!   use and stopped when the process ends.
+//! - [`TestCluster`] is a private cluster owned by one test, for tests that stop or restart the
+//!   server.
+//! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
+//! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
+//!   and reruns start clean.
+//!
+//! # Private clusters
+//!
+//! A private cluster is made with the PostgreSQL server binaries of the machine (`initdb`,
+//! `pg_ctl` and `postgres` on `PATH`, else the newest `/usr/lib/postgresql/<version>/bin`) in a
+//! fresh directory under [`std::env::temp_dir`]. It listens on `127.0.0.1` on a free port and on
+//! a private Unix socket directory, so it never collides with another server on the machine.
+//! PostgreSQL refuses to run as root; when the tests run as root, every server command runs as
+//! the `postgres` system user instead.
+//!
+//! Authentication is `trust` for everyone except [`PASSWORD_ROLE`], which must give
+//! [`PASSWORD_ROLE_PASSWORD`] over TCP (`scram-sha-256`), so tests can check how a wrong password
+//! is reported.
+//!
+//! Nothing is left running, however the test process ends. Rust never drops statics, and a
+//! panic that aborts or a `SIGKILL` runs no destructor at all, so every cluster gets a watchdog
+//! process when it is created: a small shell script that blocks reading a pipe whose only write
+//! end this process holds and never writes. When this process dies, for any reason, the kernel
+//! closes that write end, the script's read returns end-of-file, and the script stops the server
+//! (`pg_ctl stop -m immediate`) and deletes the cluster's directory. The watchdog runs in its own
+//! process group so that the Ctrl-C that kills the test process does not kill it too.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio_postgres::config::Host;
+use tokio_postgres::{Client, Config, NoTls};
+
+/// The role that must authenticate with a password over TCP.
+///
+/// Every private cluster creates it at start with the password [`PASSWORD_ROLE_PASSWORD`];
+/// on a `DATABASE_URL` server, [`TestServer::ensure_password_role`] creates it.
+pub const PASSWORD_ROLE: &str = "pgfence_pw_test";
+
+/// The right password of [`PASSWORD_ROLE`].
+pub const PASSWORD_ROLE_PASSWORD: &str = "right-password";
+
+/// The role that must authenticate with a password over TCP, and its right password:
+/// `(`[`PASSWORD_ROLE`]`, `[`PASSWORD_ROLE_PASSWORD`]`)`.
+pub fn pg_hba_password_role() -> (&'static str, &'static str) {
+    (PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD)
+}
+
+/// The superuser of private clusters (`initdb -U`), also the system user that runs them when
+/// the tests run as root.
+const SUPERUSER: &str = "postgres";
+
+/// How many free ports a private cluster tries before giving up. A port found free can be
+/// taken by someone else before the server binds it; that is rare, so a few tries suffice.
+const START_ATTEMPTS: usize = 5;
+
+/// Connect timeout of every configuration handed out here: a test waiting on a dead server
+/// fails instead of hanging.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `pg_hba.conf` of private clusters. Rules are matched top to bottom, so the password rules
+/// for [`PASSWORD_ROLE`] must come before the `trust` rules for everyone.
+const PG_HBA_CONF: &str = "\
+# Written by pgfence::testing.
+# TYPE  DATABASE  USER             ADDRESS        METHOD
+local   all       all                             trust
+host    all       pgfence_pw_test  127.0.0.1/32   scram-sha-256
+host    all       pgfence_pw_test  ::1/128        scram-sha-256
+host    all       all              127.0.0.1/32   trust
+host    all       all              ::1/128        trust
+";
+
+/// Run once on a new private cluster, as the superuser. `password_encryption` is set to
+/// `scram-sha-256` in `postgresql.conf` before the server starts, so the password is stored
+/// as the SCRAM verifier that `pg_hba.conf` asks for.
+const CREATE_PASSWORD_ROLE_SQL: &str =
+    "CREATE ROLE pgfence_pw_test LOGIN PASSWORD 'right-password'";
+
+/// Creates [`PASSWORD_ROLE`] on a `DATABASE_URL` server, or resets its password.
+///
+/// The advisory lock serializes this between test processes sharing the server: concurrent
+/// `ALTER ROLE`s of one role fail with "tuple concurrently updated". Its key is `pgfence` and a
+/// byte 1 in ASCII (`0x7067_6665_6e63_6501`), used nowhere else. Advisory locks are per
+/// database, so processes using different databases of one server are covered only by the
+/// retry in [`TestServer::ensure_password_role`].
+const ENSURE_PASSWORD_ROLE_SQL: &str = "
+BEGIN;
+SELECT pg_advisory_xact_lock(8099555040678864129);
+DO $$
+BEGIN
+    CREATE ROLE pgfence_pw_test LOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN
+    NULL;
+END
+$$;
+ALTER ROLE pgfence_pw_test LOGIN PASSWORD 'right-password';
+COMMIT;
+";
+
+/// The watchdog of a private cluster (see the module docs). Arguments: `$1` the `pg_ctl`
+/// binary, `$2` the data directory, `$3` the cluster's directory to delete.
+const WATCHDOG_SCRIPT: &str = r#"cat >/dev/null 2>&1
+"$1" stop -D "$2" -m immediate -w -t 10 >/dev/null 2>&1
+rm -rf "$3"
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// Shared server
+// ---------------------------------------------------------------------------------------------
+
+/// A PostgreSQL server for tests: the one named by `DATABASE_URL`, or a private temporary
+/// cluster.
+///
+/// Get it with [`TestServer::shared`]; connect as an administrator with
+/// [`TestServer::connect`] or [`TestServer::config`].
+#[derive(Debug)]
+pub struct TestServer {
+    kind: ServerKind,
+}
+
+#[derive(Debug)]
+enum ServerKind {
+    /// A server named by `DATABASE_URL`; nothing of it is ours to start or stop.
+    External { config: Config, url: String },
+    /// A private cluster of this process, started by [`TestServer::shared`].
+    Private(Cluster),
+}
+
+/// The outcome of the one start of the shared server, errors included, so every caller gets
+/// the same answer. `io::Error` is not `Clone`, hence kind and message.
+static SHARED: OnceLock<Result<TestServer, (io::ErrorKind, String)>> = OnceLock::new();
+
+impl TestServer {
+    /// The server every test of this process shares.
+    ///
+    /// If `DATABASE_URL` is set (and not empty), it is parsed as a [`tokio_postgres::Config`]
+    /// and that server is used; no process is started. Otherwise the first call starts one
+    /// private temporary cluster (see the [module docs](self)) and every later call, from any
+    /// thread, returns that same cluster; concurrent first calls wait for the one start. The
+    /// cluster is stopped and deleted when the process ends, however it ends.
+    ///
+    /// This blocks while the cluster starts (a few seconds), also when called from async code.
+    /// A failed start is not retried: every call returns the same error.
+    pub fn shared() -> io::Result<&'static TestServer> {
+        match SHARED.get_or_init(|| TestServer::init().map_err(|e| (e.kind(), e.to_string()))) {
+            Ok(server) => Ok(server),
+            Err((kind, message)) => Err(io::Error::new(*kind, message.clone())),
+        }
+    }
+
+    fn init() -> io::Result<TestServer> {
+        match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.trim().is_empty() => {
+                let mut config: Config = url.parse().map_err(|e| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("DATABASE_URL is not a valid PostgreSQL connection string: {e}"),
+                    )
+                })?;
+                if config.get_dbname().is_none() {
+                    // The server's default is a database named like the user.
+                    let dbname = config.get_user().unwrap_or(SUPERUSER).to_owned();
+                    config.dbname(dbname);
+                }
+                Ok(TestServer {
+                    kind: ServerKind::External { config, url },
+                })
+            }
+            _ => Ok(TestServer {
+                kind: ServerKind::Private(Cluster::launch()?),
+            }),
+        }
+    }
+
+    /// Whether this is a private cluster of this process (`DATABASE_URL` unset).
+    pub fn is_private(&self) -> bool {
+        matches!(self.kind, ServerKind::Private(_))
+    }
+
+    /// An administrator (superuser) connection configuration, with the database name set.
+    pub fn config(&self) -> Config {
+        match &self.kind {
+            ServerKind::External { config, .. } => config.clone(),
+            ServerKind::Private(cluster) => cluster.config(),
+        }
+    }
+
+    /// The administrator connection as a string that parses as a [`tokio_postgres::Config`]:
+    /// `postgres://postgres@127.0.0.1:<port>/postgres` for a private cluster, `DATABASE_URL`
+    /// as given otherwise.
+    pub fn url(&self) -> String {
+        match &self.kind {
+            ServerKind::External { url, .. } => url.clone(),
+            ServerKind::Private(cluster) => cluster.url(),
+        }
+    }
+
+    /// The server's port (for `DATABASE_URL`, its first port, 5432 if none is given).
+    pub fn port(&self) -> u16 {
+        match &self.kind {
+            ServerKind::External { config, .. } => {
+                config.get_ports().first().copied().unwrap_or(5432)
+            }
+            ServerKind::Private(cluster) => cluster.port,
+        }
+    }
+
+    /// The server's TCP address, e.g. as the upstream of a [`Proxy`].
+    ///
+    /// For `DATABASE_URL`, the first host is resolved (blocking); a Unix socket host is an
+    /// error.
+    pub fn tcp_addr(&self) -> io::Result<SocketAddr> {
+        match &self.kind {
+            ServerKind::External { config, .. } => external_tcp_addr(config),
+            ServerKind::Private(cluster) => Ok(cluster.tcp_addr()),
+        }
+    }
+
+    /// [`TestServer::config`], but connecting to `addr` instead, e.g. a [`Proxy::addr`].
+    pub fn config_via(&self, addr: SocketAddr) -> Config {
+        redirect(&self.config(), addr)
+    }
+
+    /// The data directory of a private cluster; `None` for `DATABASE_URL`.
+    pub fn data_dir(&self) -> Option<&Path> {
+        match &self.kind {
+            ServerKind::External { .. } => None,
+            ServerKind::Private(cluster) => Some(cluster.data_dir.as_path()),
+        }
+    }
+
+    /// Opens an administrator connection. Its connection task is spawned on the current tokio
+    /// runtime and ends when the client is dropped or the connection breaks.
+    pub async fn connect(&self) -> Result<Client, tokio_postgres::Error> {
+        connect_spawned(&self.config()).await
+    }
+
+    /// Creates database `name` and returns [`TestServer::config`] pointed at it. Use a
+    /// [`unique_name`]; nothing drops the database afterwards (a private cluster is deleted
+    /// whole).
+    pub async fn create_database(&self, name: &str) -> Result<Config, tokio_postgres::Error> {
+        let client = self.connect().await?;
+        client
+            .batch_execute(&format!("CREATE DATABASE {}", quote_ident(name)))
+            .await?;
+        let mut config = self.config();
+        config.dbname(name);
+        Ok(config)
+    }
+
+    /// Makes sure [`PASSWORD_ROLE`] exists with the password [`PASSWORD_ROLE_PASSWORD`].
+    ///
+    /// A private cluster creates it at start, so this does nothing there. On a `DATABASE_URL`
+    /// server it creates the role or resets its password; whether a wrong password is then
+    /// refused depends on that server's `pg_hba.conf`, which tests must check.
+    pub async fn ensure_password_role(&self) -> Result<(), tokio_postgres::Error> {
+        if self.is_private() {
+            return Ok(());
+        }
+        let client = self.connect().await?;
+        let mut attempt = 1;
+        loop {
+            match client.batch_execute(ENSURE_PASSWORD_ROLE_SQL).await {
+                Ok(()) => return Ok(()),
+                // A race with another process using another database of the server.
+                Err(_) if attempt < 5 => {
+                    client.batch_execute("ROLLBACK").await?;
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A configuration that logs in as [`PASSWORD_ROLE`] with `password` over TCP, to the
+    /// administrator's database.
+    pub fn password_role_config(&self, password: &str) -> Config {
+        let mut config = match &self.kind {
+            ServerKind::External { config, .. } => config.clone(),
+            ServerKind::Private(cluster) => cluster.config(),
+        };
+        config.user(PASSWORD_ROLE).password(password);
+        config
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Caller-owned cluster
+// ---------------------------------------------------------------------------------------------
+
+/// A private temporary PostgreSQL cluster owned by the caller, for tests that stop, restart or
+/// otherwise hurt the server.
+///
+/// Always private, also when `DATABASE_URL` is set. Made like the private shared server (see
+/// the [module docs](self)). Dropping it stops the server (immediate mode) and deletes its
+/// directory; if the process dies first, the watchdog does that.
+///
+/// The methods that run `pg_ctl` block; from async code that is acceptable in tests.
+#[derive(Debug)]
+pub struct TestCluster {
+    cluster: Cluster,
+}
+
+impl TestCluster {
+    /// Creates and starts a new private cluster.
+    pub fn start() -> io::Result<TestCluster> {
+        Ok(TestCluster {
+            cluster: Cluster::launch()?,
+        })
+    }
+
+    /// Stops the server in fast mode (`pg_ctl stop -m fast`): sessions are terminated, the
+    /// server shuts down cleanly, and this returns once it is down.
+    pub fn stop(&self) -> io::Result<()> {
+        self.cluster.stop("fast")
+    }
+
+    /// Starts the server again after [`TestCluster::stop`], on the same data directory and port,
+    /// and returns once it accepts connections.
+    pub fn start_again(&self) -> io::Result<()> {
+        self.cluster.start()
+    }
+
+    /// [`TestCluster::stop`], then [`TestCluster::start_again`]. Every existing connection
+    /// breaks.
+    pub fn restart(&self) -> io::Result<()> {
+        self.stop()?;
+        self.start_again()
+    }
+
+    /// A superuser connection configuration (`postgres` user and database).
+    pub fn config(&self) -> Config {
+        self.cluster.config()
+    }
+
+    /// [`TestCluster::config`] as a URL: `postgres://postgres@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        self.cluster.url()
+    }
+
+    /// The TCP port, the same for the cluster's whole life.
+    pub fn port(&self) -> u16 {
+        self.cluster.port
+    }
+
+    /// The TCP address, `127.0.0.1:<port>`.
+    pub fn tcp_addr(&self) -> SocketAddr {
+        self.cluster.tcp_addr()
+    }
+
+    /// [`TestCluster::config`], but connecting to `addr` instead, e.g. a [`Proxy::addr`].
+    pub fn config_via(&self, addr: SocketAddr) -> Config {
+        redirect(&self.config(), addr)
+    }
+
+    /// The data directory (`PGDATA`).
+    pub fn data_dir(&self) -> &Path {
+        &self.cluster.data_dir
+    }
+
+    /// Opens a superuser connection. Its connection task is spawned on the current tokio
+    /// runtime and ends when the client is dropped or the connection breaks.
+    pub async fn connect(&self) -> Result<Client, tokio_postgres::Error> {
+        connect_spawned(&self.config()).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launcher
+// ---------------------------------------------------------------------------------------------
+
+/// A private cluster: the launcher behind both [`TestServer`] and [`TestCluster`].
+///
+/// Layout: `root/data` (`PGDATA`), `root/sock` (Unix socket directory), `root/server.log`.
+/// Dropping it stops the server and deletes `root`; the shared server's is never dropped and
+/// is cleaned up by its watchdog.
+#[derive(Debug)]
+struct Cluster {
+    bin_dir: PathBuf,
+    root: PathBuf,
+    data_dir: PathBuf,
+    socket_dir: PathBuf,
+    log_file: PathBuf,
+    /// The system user that runs the server commands when we are root.
+    run_as: Option<SystemUser>,
+    /// Chosen by [`Cluster::launch`], then fixed.
+    port: u16,
+    watchdog: Mutex<Option<Watchdog>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SystemUser {
+    uid: u32,
+    gid: u32,
+}
+
+#[derive(Debug)]
+struct Watchdog {
+    child: Child,
+    /// The write end of the watchdog's stdin. Never written to; closing it (by dropping it, or
+    /// by this process dying) makes the watchdog clean up.
+    stdin: ChildStdin,
+}
+
+impl Cluster {
+    fn launch() -> io::Result<Cluster> {
+        let bin_dir = find_bin_dir()?;
+        let run_as = server_user()?;
+        let root = std::env::temp_dir().join(format!(
+            "pgfence-test-{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ));
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&root)
+            .map_err(|e| annotate(e, format!("could not create {}", root.display())))?;
+        let mut cluster = Cluster {
+            bin_dir,
+            data_dir: root.join("data"),
+            socket_dir: root.join("sock"),
+            log_file: root.join("server.log"),
+            root,
+            run_as,
+            port: 0,
+            watchdog: Mutex::new(None),
+        };
+        // From here on, an early return drops `cluster`, which deletes `root` and stops a
+        // server started in it.
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&cluster.socket_dir)?;
+        cluster.give_to_server_user(&cluster.root)?;
+        cluster.give_to_server_user(&cluster.socket_dir)?;
+        // The watchdog comes before the first server command, so that nothing started after
+        // it can outlive this process.
+        *cluster
+            .watchdog
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = Some(cluster.spawn_watchdog()?);
+        cluster.initdb()?;
+        cluster.configure()?;
+        cluster.start_on_free_port()?;
+        cluster.create_password_role()?;
+        Ok(cluster)
+    }
+
+    fn config(&self) -> Config {
+        let mut config = Config::new();
+        config
+            .host("127.0.0.1")
+            .port(self.port)
+            .user(SUPERUSER)
+            .dbname(SUPERUSER)
+            .connect_timeout(CONNECT_TIMEOUT);
+        config
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://{SUPERUSER}@127.0.0.1:{}/{SUPERUSER}", self.port)
+    }
+
+    fn tcp_addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
+    fn bin(&self, name: &str) -> PathBuf {
+        self.bin_dir.join(name)
+    }
+
+    /// A command that runs as the server's system user, in the cluster's directory, with the
+    /// C locale (so server messages are English and can be matched).
+    fn command(&self, program: &Path) -> Command {
+        let mut command = Command::new(program);
+        command
+            .current_dir(&self.root)
+            .stdin(Stdio::null())
+            .env("LC_ALL", "C")
+            .env_remove("PGDATA")
+            .env_remove("PGPORT")
+            .env_remove("PGHOST");
+        if let Some(user) = self.run_as {
+            command.uid(user.uid).gid(user.gid);
+        }
+        command
+    }
+
+    fn give_to_server_user(&self, path: &Path) -> io::Result<()> {
+        match self.run_as {
+            Some(user) => std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid))
+                .map_err(|e| annotate(e, format!("could not chown {}", path.display()))),
+            None => Ok(()),
+        }
+    }
+
+    fn spawn_watchdog(&self) -> io::Result<Watchdog> {
+        let mut command = Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg(WATCHDOG_SCRIPT)
+            .arg("pgfence-test-watchdog")
+            .arg(self.bin("pg_ctl"))
+            .arg(&self.data_dir)
+            .arg(&self.root)
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            // Its own process group: a Ctrl-C to the test's group must not kill it before it
+            // has cleaned up.
+            .process_group(0);
+        if let Some(user) = self.run_as {
+            command.uid(user.uid).gid(user.gid);
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| annotate(e, "could not start the watchdog /bin/sh".to_owned()))?;
+        // The pipe's write end is close-on-exec (std creates every descriptor so), so no other
+        // child inherits it and our death really closes it.
+        let stdin = child
+            .stdin
+            .take()
+            .ok_or_else(|| io::Error::other("watchdog has no stdin pipe"))?;
+        Ok(Watchdog { child, stdin })
+    }
+
+    fn initdb(&self) -> io::Result<()> {
+        run(
+            self.command(&self.bin("initdb"))
+                .arg("-D")
+                .arg(&self.data_dir)
+                .args(["-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C"])
+                // The cluster is thrown away; the server itself still runs with fsync=on.
+                .arg("--no-sync"),
+            "initdb",
+        )
+    }
+
+    fn configure(&self) -> io::Result<()> {
+        let hba = self.data_dir.join("pg_hba.conf");
+        fs::write(&hba, PG_HBA_CONF)?;
+        self.give_to_server_user(&hba)?;
+        let socket_dir = self.socket_dir.to_string_lossy().replace('\'', "''");
+        // max_connections: tests run in parallel, each with a pool plus renewal and standby
+        // connections (see DESIGN.md, "Testing against real PostgreSQL").
+        let settings = format!(
+            "\n# Added by pgfence::testing.\n\
+             listen_addresses = '127.0.0.1'\n\
+             unix_socket_directories = '{socket_dir}'\n\
+             max_connections = 400\n\
+             shared_buffers = 64MB\n\
+             fsync = on\n\
+             password_encryption = 'scram-sha-256'\n"
+        );
+        let conf = self.data_dir.join("postgresql.conf");
+        let mut text = fs::read_to_string(&conf)?;
+        text.push_str(&settings);
+        fs::write(&conf, text)?;
+        self.give_to_server_user(&conf)
+    }
+
+    fn start_on_free_port(&mut self) -> io::Result<()> {
+        let mut attempt = 1;
+        loop {
+            self.port = free_port()?;
+            match self.start() {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse && attempt < START_ATTEMPTS => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// `pg_ctl start`, waiting until the server accepts connections. A port taken by someone
+    /// else is reported as [`io::ErrorKind::AddrInUse`].
+    fn start(&self) -> io::Result<()> {
+        let log_start = fs::metadata(&self.log_file).map(|m| m.len()).unwrap_or(0);
+        let output = self
+            .command(&self.bin("pg_ctl"))
+            .arg("start")
+            .arg("-D")
+            .arg(&self.data_dir)
+            .arg("-l")
+            .arg(&self.log_file)
+            .args(["-w", "-t", "60", "-o"])
+            .arg(format!("-p {}", self.port))
+            .output()
+            .map_err(|e| annotate(e, "could not run pg_ctl start".to_owned()))?;
+        if output.status.success() {
+            return Ok(());
+        }
+        let log = log_tail(&self.log_file, log_start);
+        let kind = if log.contains("could not bind")
+            || log.contains("Address already in use")
+            || log.contains("could not create any TCP/IP sockets")
+        {
+            io::ErrorKind::AddrInUse
+        } else {
+            io::ErrorKind::Other
+        };
+        Err(io::Error::new(
+            kind,
+            format!(
+                "could not start PostgreSQL in {} on port {} ({}): {}{}\n--- end of {} ---\n{}",
+                self.data_dir.display(),
+                self.port,
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr),
+                self.log_file.display(),
+                log
+            ),
+        ))
+    }
+
+    fn stop(&self, mode: &str) -> io::Result<()> {
+        run(
+            self.command(&self.bin("pg_ctl"))
+                .arg("stop")
+                .arg("-D")
+                .arg(&self.data_dir)
+                .args(["-m", mode, "-w", "-t", "60"]),
+            "pg_ctl stop",
+        )
+    }
+
+    fn create_password_role(&self) -> io::Result<()> {
+        let config = self.config();
+        // This may be called from inside a tokio runtime (a test calling `shared()`), where
+        // blocking on a future is not allowed: run the SQL on a thread of its own.
+        thread::spawn(move || -> io::Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let client = connect_spawned(&config).await.map_err(io::Error::other)?;
+                client
+                    .batch_execute(CREATE_PASSWORD_ROLE_SQL)
+                    .await
+                    .map_err(io::Error::other)
+            })
+        })
+        .join()
+        .map_err(|_| io::Error::other("the thread creating the password role panicked"))?
+        .map_err(|e| annotate(e, format!("could not create role {PASSWORD_ROLE}")))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Best effort, never panicking: the server may not be running (stopped by the test, or
+        // never started), and the watchdog retries both steps anyway.
+        let _ = self.stop("immediate");
+        let _ = fs::remove_dir_all(&self.root);
+        let watchdog = self
+            .watchdog
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Watchdog { mut child, stdin }) = watchdog {
+            // Releasing the watchdog finds nothing left to do; wait (bounded) so it is reaped.
+            drop(stdin);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// The directory holding `initdb`, `pg_ctl` and `postgres`: the first such directory on
+/// `PATH`, else the newest `/usr/lib/postgresql/<version>/bin`.
+fn find_bin_dir() -> io::Result<PathBuf> {
+    const TOOLS: [&str; 3] = ["initdb", "pg_ctl", "postgres"];
+    let has_tools = |dir: &Path| TOOLS.iter().all(|tool| is_executable(&dir.join(tool)));
+    let on_path = std::env::var_os("PATH")
+        .and_then(|path| std::env::split_paths(&path).find(|dir| has_tools(dir)));
+    if let Some(dir) = on_path {
+        return Ok(dir);
+    }
+    let mut newest: Option<(Vec<u32>, PathBuf)> = None;
+    if let Ok(entries) = fs::read_dir("/usr/lib/postgresql") {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            // "15", "9.6": compare numerically, part by part.
+            let Some(version) = name
+                .to_str()
+                .and_then(|v| v.split('.').map(|part| part.parse().ok()).collect())
+            else {
+                continue;
+            };
+            let dir = entry.path().join("bin");
+            if has_tools(&dir) && newest.as_ref().is_none_or(|(best, _)| version > *best) {
+                newest = Some((version, dir));
+            }
+        }
+    }
+    newest.map(|(_, dir)| dir).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH or in \
+             /usr/lib/postgresql/<version>/bin: install PostgreSQL (e.g. `apt-get install \
+             postgresql`) or set DATABASE_URL to a server the tests may use",
+        )
+    })
+}
+
+fn is_executable(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// `None` when we may run the server ourselves; the `postgres` system user when we are root,
+/// which PostgreSQL refuses to run as.
+fn server_user() -> io::Result<Option<SystemUser>> {
+    if effective_uid()? != 0 {
+        return Ok(None);
+    }
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    passwd
+        .lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            match fields.as_slice() {
+                [name, _, uid, gid, ..] if *name == SUPERUSER => Some(SystemUser {
+                    uid: uid.parse().ok()?,
+                    gid: gid.parse().ok()?,
+                }),
+                _ => None,
+            }
+        })
+        .map(Some)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "the tests run as root, which PostgreSQL refuses to run as, and there is no \
+                 `postgres` system user in /etc/passwd to run the private test cluster as: \
+                 create one (the `postgresql` package does), run the tests as another user, \
+                 or set DATABASE_URL",
+            )
+        })
+}
+
+fn effective_uid() -> io::Result<u32> {
+    // "Uid:\treal\teffective\tsaved\tfilesystem"
+    if let Ok(status) = fs::read_to_string("/proc/self/status") {
+        let euid = status
+            .lines()
+            .find_map(|line| line.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            .and_then(|euid| euid.parse().ok());
+        if let Some(euid) = euid {
+            return Ok(euid);
+        }
+    }
+    let output = Command::new("id")
+        .arg("-u")
+        .output()
+        .map_err(|e| annotate(e, "could not run `id -u`".to_owned()))?;
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .map_err(|_| io::Error::other("could not find out the user id (`id -u`)"))
+}
+
+fn free_port() -> io::Result<u16> {
+    // The port is free now; the server binds it a moment later, and `start_on_free_port`
+    // retries in the rare case someone took it in between.
+    Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
+}
+
+fn run(command: &mut Command, what: &str) -> io::Result<()> {
+    let output = command
+        .output()
+        .map_err(|e| annotate(e, format!("could not run {what}")))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "{what} failed ({}): {}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )))
+    }
+}
+
+/// The last lines of the server log written since byte `from`.
+fn log_tail(path: &Path, from: u64) -> String {
+    const MAX_BYTES: u64 = 8 * 1024;
+    let Ok(mut file) = fs::File::open(path) else {
+        return "(no server log)".to_owned();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = from.max(len.saturating_sub(MAX_BYTES));
+    let mut bytes = Vec::new();
+    if file.seek(SeekFrom::Start(start)).is_err() || file.read_to_end(&mut bytes).is_err() {
+        return "(server log unreadable)".to_owned();
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn annotate(error: io::Error, context: String) -> io::Error {
+    io::Error::new(error.kind(), format!("{context}: {error}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection helpers
+// ---------------------------------------------------------------------------------------------
+
+async fn connect_spawned(config: &Config) -> Result<Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(NoTls).await?;
+    // A connection error also fails the client's next call (or marks it closed), which is
+    // where tests look; nothing to report here.
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+/// `config` with its hosts and ports replaced by `addr`.
+fn redirect(config: &Config, addr: SocketAddr) -> Config {
+    let mut out = Config::new();
+    out.host(addr.ip().to_string()).port(addr.port());
+    if let Some(user) = config.get_user() {
+        out.user(user);
+    }
+    if let Some(password) = config.get_password() {
+        out.password(password);
+    }
+    if let Some(dbname) = config.get_dbname() {
+        out.dbname(dbname);
+    }
+    if let Some(options) = config.get_options() {
+        out.options(options);
+    }
+    if let Some(name) = config.get_application_name() {
+        out.application_name(name);
+    }
+    if let Some(timeout) = config.get_connect_timeout() {
+        out.connect_timeout(*timeout);
+    }
+    out.ssl_mode(config.get_ssl_mode())
+        .channel_binding(config.get_channel_binding());
+    out
+}
+
+fn external_tcp_addr(config: &Config) -> io::Result<SocketAddr> {
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    if let Some(ip) = config.get_hostaddrs().first() {
+        return Ok(SocketAddr::new(*ip, port));
+    }
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => {
+            if let Ok(ip) = host.parse::<IpAddr>() {
+                return Ok(SocketAddr::new(ip, port));
+            }
+            (host.as_str(), port)
+                .to_socket_addrs()?
+                .next()
+                .ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"))
+                })
+        }
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "DATABASE_URL names no TCP host (a Unix socket has no TCP address)",
+        )),
+    }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A name for a test's own table, schema or database: `prefix` made identifier-safe, then `_`
+/// and 16 random hex digits.
+///
+/// The result is lowercase `[a-z0-9_]`, starts with a letter (a `t` is put in front
+/// otherwise), is at most 40 characters long (the prefix is shortened to fit) and is unique
+/// across calls and processes with overwhelming probability, so it needs no quoting and
+/// reruns never meet leftovers.
+pub fn unique_name(prefix: &str) -> String {
+    const MAX_LEN: usize = 40;
+    const RANDOM_HEX: usize = 16;
+    let mut name: String = prefix
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9' | '_') => c,
+            _ => '_',
+        })
+        .collect();
+    if !name.starts_with(|c: char| c.is_ascii_lowercase()) {
+        name.insert(0, 't');
+    }
+    // All ASCII by now, so truncating bytes cuts no character.
+    name.truncate(MAX_LEN - RANDOM_HEX - 1);
+    name.push('_');
+    name.push_str(&format!("{:016x}", uuid::Uuid::new_v4().as_u128() as u64));
+    name
+}
+
+// ---------------------------------------------------------------------------------------------
+// Proxy
+// ---------------------------------------------------------------------------------------------
+
+/// A fault-injecting TCP proxy on loopback, between clients and a server.
+///
+/// Each accepted connection is forwarded to the upstream address. While it runs, a test can
+/// delay every chunk of data ([`Proxy::set_delay`]), refuse new connections
+/// ([`Proxy::set_refuse`]) or abruptly close every current connection ([`Proxy::cut_all`]).
+///
+/// The accept loop and one task per connection run on the tokio runtime that called
+/// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
+/// `#[tokio::test]` runtimes do). Dropping the proxy aborts all of them: nothing keeps
+/// running, and every proxied connection is closed.
+#[derive(Debug)]
+pub struct Proxy {
+    addr: SocketAddr,
+    upstream: SocketAddr,
+    shared: Arc<ProxyShared>,
+    accept_task: AbortHandle,
+}
+
+#[derive(Debug)]
+struct ProxyShared {
+    /// One-way delay in nanoseconds.
+    delay_nanos: AtomicU64,
+    refuse: AtomicBool,
+    connections: Mutex<Connections>,
+}
+
+#[derive(Debug, Default)]
+struct Connections {
+    next_id: u64,
+    tasks: HashMap<u64, AbortHandle>,
+    /// Set when the proxy is dropped. Aborting the accept task takes effect only at its next
+    /// await, so it may still be about to register a connection: it checks this first.
+    closed: bool,
+}
+
+impl ProxyShared {
+    fn delay(&self) -> Duration {
+        Duration::from_nanos(self.delay_nanos.load(Ordering::Relaxed))
+    }
+
+    fn connections(&self) -> std::sync::MutexGuard<'_, Connections> {
+        self.connections
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Proxy {
+    /// Starts a proxy listening on `127.0.0.1` (a free port) that forwards to `upstream`.
+    ///
+    /// Must be called within a tokio runtime.
+    pub async fn start(upstream: SocketAddr) -> io::Result<Proxy> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(ProxyShared {
+            delay_nanos: AtomicU64::new(0),
+            refuse: AtomicBool::new(false),
+            connections: Mutex::new(Connections::default()),
+        });
+        let accept_task =
+            tokio::spawn(accept_loop(listener, upstream, Arc::clone(&shared))).abort_handle();
+        Ok(Proxy {
+            addr,
+            upstream,
+            shared,
+            accept_task,
+        })
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The address connections are forwarded to.
+    pub fn upstream(&self) -> SocketAddr {
+        self.upstream
+    }
+
+    /// Delays every chunk forwarded in either direction by `one_way` (so a request and its
+    /// answer take at least twice that). Order is kept and throughput is not limited: chunks
+    /// are read as they arrive, and each is written out when its own delay has passed. Applies
+    /// to data read from now on, also on existing connections. Zero (the default) turns it off.
+    pub fn set_delay(&self, one_way: Duration) {
+        let nanos = u64::try_from(one_way.as_nanos()).unwrap_or(u64::MAX);
+        self.shared.delay_nanos.store(nanos, Ordering::Relaxed);
+    }
+
+    /// Abruptly closes every current connection, in both directions, dropping data in flight.
+    /// New connections are accepted as usual.
+    pub fn cut_all(&self) {
+        let tasks = std::mem::take(&mut self.shared.connections().tasks);
+        for task in tasks.values() {
+            task.abort();
+        }
+    }
+
+    /// While `refuse` is true, new connections are accepted and closed at once, without
+    /// contacting the upstream. Existing connections are not affected.
+    pub fn set_refuse(&self, refuse: bool) {
+        self.shared.refuse.store(refuse, Ordering::Relaxed);
+    }
+
+    /// The number of connections currently being forwarded.
+    pub fn connection_count(&self) -> usize {
+        self.shared.connections().tasks.len()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+        self.shared.connections().closed = true;
+        self.cut_all();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, upstream: SocketAddr, shared: Arc<ProxyShared>) {
+    loop {
+        let client = match listener.accept().await {
+            Ok((client, _)) => client,
+            Err(_) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if shared.refuse.load(Ordering::Relaxed) {
+            drop(client);
+            continue;
+        }
+        let mut connections = shared.connections();
+        if connections.closed {
+            return;
+        }
+        let id = connections.next_id;
+        connections.next_id += 1;
+        let task_shared = Arc::clone(&shared);
+        // The lock is held across the spawn, so the task's removal of its entry (if it ends at
+        // once, on another worker) waits until the entry is there.
+        let task = tokio::spawn(async move {
+            let _ = forward(client, upstream, &task_shared).await;
+            task_shared.connections().tasks.remove(&id);
+        });
+        connections.tasks.insert(id, task.abort_handle());
+    }
+}
+
+/// Forwards one connection until both directions have ended, or until either fails (then the
+/// whole connection is dropped, closing both sockets).
+async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) -> io::Result<()> {
+    let server = TcpStream::connect(upstream).await?;
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::try_join!(
+        pump(client_read, server_write, shared),
+        pump(server_read, client_write, shared),
+    )?;
+    Ok(())
+}
+
+/// One direction of a connection. The reader stamps each chunk with its due time and queues
+/// it; the writer writes each chunk once it is due. The two run concurrently, so a delay adds
+/// latency without limiting throughput, and the queue keeps the order.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    shared: &ProxyShared,
+) -> io::Result<()> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        // Owned by this block, so end-of-file drops it and the writer sees the queue end.
+        let tx = tx;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = from.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<(), io::Error>(());
+            }
+            let due = tokio::time::Instant::now() + shared.delay();
+            if tx.send((due, buf[..n].to_vec())).is_err() {
+                // The writer has failed; `try_join!` reports its error.
+                return Ok(());
+            }
+        }
+    };
+    let write = async move {
+        while let Some((due, chunk)) = rx.recv().await {
+            if due > tokio::time::Instant::now() {
+                tokio::time::sleep_until(due).await;
+            }
+            to.write_all(&chunk).await?;
+        }
+        // Pass the half-close on: the peer sees end-of-file after the last chunk.
+        to.shutdown().await
+    };
+    tokio::try_join!(read, write)?;
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! Helpers shared by the integration tests: the server, store builders and SQL probes.
+#![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
+
+pub mod conformance;
+
+use std::time::Duration;
+
+use pgfence::testing::{TestServer, unique_name};
+use pgfence::{Builder, PgKvStore};
+
+/// The shared test server (DATABASE_URL or a private cluster). Fails the test loudly if none.
+pub fn server() -> &'static TestServer {
+    TestServer::shared().expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
+}
+
+/// A fresh table name for one test.
+pub fn table(prefix: &str) -> String {
+    unique_name(prefix)
+}
+
+/// A builder on the shared server with test-friendly settings: small pool, and lease timings in
+/// seconds so scheduling noise on a busy 2-core machine cannot expire a lease a test expects to
+/// hold.
+pub fn builder(table: &str) -> Builder {
+    PgKvStore::builder_from_config(server().config())
+        .table(table)
+        .pool_size(4)
+        .lease_ttl(Duration::from_secs(15))
+        .renew_interval(Duration::from_secs(3))
+}
+
+pub async fn open(table: &str) -> PgKvStore {
+    builder(table).open().await.expect("open store")
+}
+
+/// An administrator connection for probing and tampering with the tables directly.
+pub async fn admin() -> tokio_postgres::Client {
+    server().connect().await.expect("admin connection")
+}
+
+/// The quoted lease table of `table` (unqualified names only).
+pub fn lease_table(table: &str) -> String {
+    format!("\"{table}_lease\"")
+}
+
+/// `(owner_id, epoch, expires_at - now() in ms)` of the lease row.
+pub async fn lease_row(client: &tokio_postgres::Client, table: &str) -> (uuid::Uuid, i64, i64) {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT owner_id, epoch, (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint FROM {}",
+                lease_table(table)
+            ),
+            &[],
+        )
+        .await
+        .expect("lease row");
+    (row.get(0), row.get(1), row.get(2))
+}
+
+/// Takes the lease from outside, as another owner would after an expiry: expire it, then
+/// acquire with a new owner id and epoch + 1. Returns the new epoch.
+pub async fn steal_lease(client: &tokio_postgres::Client, table: &str) -> i64 {
+    let row = client
+        .query_one(
+            &format!(
+                "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                        expires_at = clock_timestamp() + interval '1 hour'
+                  WHERE id = 1 RETURNING epoch",
+                lease_table(table)
+            ),
+            &[],
+        )
+        .await
+        .expect("steal lease");
+    row.get(0)
+}
+
+/// Generous bound against hangs; never a measurement.
+pub const HANG_GUARD: Duration = Duration::from_secs(60);
+
+/// Awaits `fut`, failing the test if it takes longer than [`HANG_GUARD`].
+pub async fn within<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, fut).await.unwrap_or_else(|_| panic!("{what} hung"))
+}
