@@ -184,7 +184,8 @@ impl Builder {
         }
         let table = TableName::parse(&self.table)?;
         let ms = |d: Duration| d.as_millis();
-        if self.lease_ttl < Duration::from_millis(100) || self.lease_ttl > Duration::from_secs(86_400)
+        if self.lease_ttl < Duration::from_millis(100)
+            || self.lease_ttl > Duration::from_secs(86_400)
         {
             return Err(Error::config("lease_ttl", "must be between 100 ms and 24 h"));
         }
@@ -192,7 +193,11 @@ impl Builder {
         if deadline.is_zero() || deadline >= self.lease_ttl {
             return Err(Error::config(
                 "local_deadline",
-                format!("{} ms must be above zero and below the TTL of {} ms", ms(deadline), ms(self.lease_ttl)),
+                format!(
+                    "{} ms must be above zero and below the TTL of {} ms",
+                    ms(deadline),
+                    ms(self.lease_ttl)
+                ),
             ));
         }
         if self.renew_interval.is_zero() || self.renew_interval >= deadline {
@@ -210,7 +215,10 @@ impl Builder {
             return Err(Error::config("pool_size", "must be at least 1"));
         }
         if self.max_value_size > 1 << 30 {
-            return Err(Error::config("max_value_size", "PostgreSQL stores at most 1 GiB per value"));
+            return Err(Error::config(
+                "max_value_size",
+                "PostgreSQL stores at most 1 GiB per value",
+            ));
         }
         if self.page_size == 0 || self.page_size > 100_000 {
             return Err(Error::config("page_size", "must be between 1 and 100000"));

@@ -199,7 +199,9 @@ impl Error {
         move |source| Error::Database { operation, source }
     }
 
-    pub(crate) fn pool(operation: &'static str) -> impl FnOnce(deadpool_postgres::PoolError) -> Error {
+    pub(crate) fn pool(
+        operation: &'static str,
+    ) -> impl FnOnce(deadpool_postgres::PoolError) -> Error {
         move |source| Error::Pool { operation, source: Box::new(source) }
     }
 
@@ -231,17 +233,15 @@ impl From<Error> for std::io::Error {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::LeaseHeld { .. } => ErrorKind::AlreadyExists,
             Error::LeaseLost { .. } => ErrorKind::PermissionDenied,
-            Error::InvalidKey { .. } | Error::InvalidConfig { .. } | Error::ValueTooLarge { .. } => {
-                ErrorKind::InvalidInput
-            }
+            Error::InvalidKey { .. }
+            | Error::InvalidConfig { .. }
+            | Error::ValueTooLarge { .. } => ErrorKind::InvalidInput,
             Error::Closed => ErrorKind::NotConnected,
             Error::Timeout { .. } => ErrorKind::TimedOut,
             Error::SchemaTooNew { .. }
             | Error::Database { .. }
             | Error::Pool { .. }
-            | Error::Runtime { .. } => {
-                ErrorKind::Other
-            }
+            | Error::Runtime { .. } => ErrorKind::Other,
         };
         std::io::Error::new(kind, e)
     }
@@ -270,7 +270,10 @@ mod tests {
                 },
                 ErrorKind::AlreadyExists,
             ),
-            (Error::LeaseLost { epoch: 1, reason: LossReason::Fenced }, ErrorKind::PermissionDenied),
+            (
+                Error::LeaseLost { epoch: 1, reason: LossReason::Fenced },
+                ErrorKind::PermissionDenied,
+            ),
             (
                 Error::InvalidKey { what: "key", value: String::new(), reason: "empty" },
                 ErrorKind::InvalidInput,

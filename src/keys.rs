@@ -73,9 +73,7 @@ impl TableName {
             let mut chars = part.chars();
             let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
             if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(bad(format!(
-                    "{input:?}: each part must match [A-Za-z_][A-Za-z0-9_]*"
-                )));
+                return Err(bad(format!("{input:?}: each part must match [A-Za-z_][A-Za-z0-9_]*")));
             }
             if part.len() > MAX_TABLE_NAME_LEN {
                 return Err(bad(format!("{input:?}: a part is longer than 48 characters")));

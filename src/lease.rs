@@ -125,7 +125,8 @@ impl Lease {
     fn confirmed(&self, started: Instant) {
         // Never revive a lost lease: loss is permanent even if a late renewal succeeds.
         if !self.is_lost() {
-            *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) = started + self.deadline_after;
+            *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) =
+                started + self.deadline_after;
         }
     }
 
@@ -318,9 +319,10 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     };
     // Released by owner id, so this is safe even after a loss: it can only ever expire our own
     // row, never a successor's. `None`: every handle is gone without asking; release all the same.
-    let result = tokio::time::timeout(config.release_timeout, release(&config, &lease, &mut session))
-        .await
-        .unwrap_or(Err(Error::Timeout { operation: "release", after: config.release_timeout }));
+    let result =
+        tokio::time::timeout(config.release_timeout, release(&config, &lease, &mut session))
+            .await
+            .unwrap_or(Err(Error::Timeout { operation: "release", after: config.release_timeout }));
     match &result {
         Ok(()) => lease.released(),
         Err(e) => tracing::error!(table = %lease.table, epoch = lease.epoch, error = %e,
@@ -344,18 +346,26 @@ struct Session {
     renew: tokio_postgres::Statement,
 }
 
-async fn connected<'a>(config: &KeeperConfig, session: &'a mut Option<Session>) -> Result<&'a Session> {
+async fn connected<'a>(
+    config: &KeeperConfig,
+    session: &'a mut Option<Session>,
+) -> Result<&'a Session> {
     if session.as_ref().is_none_or(|s| s.conn.client().is_closed()) {
         *session = None;
         let conn = config.connector.connect(config.connect_timeout).await?;
-        let renew = conn.client().prepare(&config.renew_sql).await.map_err(Error::db("prepare renewal"))?;
+        let renew =
+            conn.client().prepare(&config.renew_sql).await.map_err(Error::db("prepare renewal"))?;
         *session = Some(Session { conn, renew });
     }
     Ok(session.as_ref().expect("connected above"))
 }
 
 /// One renewal attempt: true when the database extended our lease.
-async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Option<Session>) -> Result<bool> {
+async fn renew(
+    config: &KeeperConfig,
+    lease: &Lease,
+    session: &mut Option<Session>,
+) -> Result<bool> {
     let session = connected(config, session).await?;
     let ttl_ms = config.ttl.as_millis() as i64;
     let rows = session
@@ -367,7 +377,11 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Option<Sessio
     Ok(!rows.is_empty())
 }
 
-async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Option<Session>) -> Result<()> {
+async fn release(
+    config: &KeeperConfig,
+    lease: &Lease,
+    session: &mut Option<Session>,
+) -> Result<()> {
     let session = connected(config, session).await?;
     let rows = session
         .conn

@@ -154,8 +154,10 @@ pub(crate) async fn create_database(config: &tokio_postgres::Config) -> Result<(
     let name = config.get_dbname().or(config.get_user()).unwrap_or("postgres").to_owned();
     let mut admin = config.clone();
     admin.dbname("postgres");
-    let (client, connection) =
-        admin.connect(tokio_postgres::NoTls).await.map_err(Error::db("connect to create database"))?;
+    let (client, connection) = admin
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(Error::db("connect to create database"))?;
     let connection = tokio::spawn(connection);
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));

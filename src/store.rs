@@ -49,27 +49,28 @@ use crate::sql::{self, Statements};
 /// Cloning is cheap and shares one store (one lease).
 #[derive(Debug, Clone)]
 pub struct PgKvStore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
+/// The store's state, shared by every handle and every outstanding operation future.
 #[derive(Debug)]
-struct Inner {
-    pool: Pool,
-    table: TableName,
-    statements: Statements,
-    lease: Arc<Lease>,
-    order: Arc<KeyOrder>,
-    closed: AtomicBool,
+pub(crate) struct Inner {
+    pub(crate) pool: Pool,
+    pub(crate) table: TableName,
+    pub(crate) statements: Statements,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) order: Arc<KeyOrder>,
+    pub(crate) closed: AtomicBool,
     /// Every operation holds a read guard while it runs; `close()` takes the write guard to
     /// wait for them. tokio's RwLock is fair, so operations that start after `close()` queue
     /// behind it and then see `closed`.
-    gate: RwLock<()>,
-    keeper: Mutex<Option<Keeper>>,
-    max_value_size: usize,
-    page_size: usize,
-    drop_timeout: Duration,
+    pub(crate) gate: RwLock<()>,
+    pub(crate) keeper: Mutex<Option<Keeper>>,
+    pub(crate) max_value_size: usize,
+    pub(crate) page_size: usize,
+    pub(crate) drop_timeout: Duration,
     /// How long an operation retries a broken connection or an unavailable server.
-    retry_for: Duration,
+    pub(crate) retry_for: Duration,
 }
 
 /// An opaque position in a newest-first listing, from [`Page::next_page_token`].
@@ -173,11 +174,11 @@ impl PgKvStore {
         let span = inner.span("read", primary_namespace, secondary_namespace, key);
         async {
             let rows = inner
-                .query("read", &inner.statements.read, &[
-                    &primary_namespace,
-                    &secondary_namespace,
-                    &key,
-                ])
+                .query(
+                    "read",
+                    &inner.statements.read,
+                    &[&primary_namespace, &secondary_namespace, &key],
+                )
                 .await?;
             match rows.first() {
                 Some(row) => Ok(row.get(0)),
@@ -271,12 +272,11 @@ impl PgKvStore {
         async {
             let limit = inner.page_size as i64 + 1;
             let rows = inner
-                .query("list_paginated", &inner.statements.list_page, &[
-                    &primary_namespace,
-                    &secondary_namespace,
-                    &before,
-                    &limit,
-                ])
+                .query(
+                    "list_paginated",
+                    &inner.statements.list_page,
+                    &[&primary_namespace, &secondary_namespace, &before, &limit],
+                )
                 .await?;
             let more = rows.len() > inner.page_size;
             let rows = &rows[..rows.len().min(inner.page_size)];
@@ -387,13 +387,19 @@ impl KvStore for PgKvStore {
     }
 }
 
+/// A single-key mutation.
 enum Mutation {
     Write(Vec<u8>),
     Remove,
 }
 
 impl Inner {
-    fn ticket(&self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Ticket {
+    pub(crate) fn ticket(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Ticket {
         self.order.ticket(KeyPath {
             primary_namespace: primary_namespace.to_owned(),
             secondary_namespace: secondary_namespace.to_owned(),
@@ -401,14 +407,20 @@ impl Inner {
         })
     }
 
-    fn check_value(&self, value: &[u8]) -> Result<()> {
+    pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
         if value.len() > self.max_value_size {
             return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
         }
         Ok(())
     }
 
-    fn span(&self, operation: &'static str, primary: &str, secondary: &str, key: &str) -> tracing::Span {
+    pub(crate) fn span(
+        &self,
+        operation: &'static str,
+        primary: &str,
+        secondary: &str,
+        key: &str,
+    ) -> tracing::Span {
         tracing::debug_span!(
             "pgfence",
             operation,
@@ -453,7 +465,7 @@ impl Inner {
     /// is locally valid and for at most `retry_for`. Retrying a mutation whose outcome is
     /// unknown is safe here because the caller holds the key's turn: the value is idempotent
     /// per key, and nothing later of that key can have run in between.
-    async fn query(
+    pub(crate) async fn query(
         &self,
         operation: &'static str,
         sql: &str,
@@ -534,7 +546,10 @@ impl Builder {
         let mut client = match pool.get().await {
             Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
                 let Some(config) = &config else {
-                    return Err(Error::Pool { operation: "connect", source: Box::new(PoolError::Backend(e)) });
+                    return Err(Error::Pool {
+                        operation: "connect",
+                        source: Box::new(PoolError::Backend(e)),
+                    });
                 };
                 schema::create_database(config).await?;
                 pool.get().await.map_err(Error::pool("connect"))?

@@ -185,13 +185,9 @@ impl TestServer {
                     let dbname = config.get_user().unwrap_or(SUPERUSER).to_owned();
                     config.dbname(dbname);
                 }
-                Ok(TestServer {
-                    kind: ServerKind::External { config, url },
-                })
+                Ok(TestServer { kind: ServerKind::External { config, url } })
             }
-            _ => Ok(TestServer {
-                kind: ServerKind::Private(Cluster::launch()?),
-            }),
+            _ => Ok(TestServer { kind: ServerKind::Private(Cluster::launch()?) }),
         }
     }
 
@@ -263,9 +259,7 @@ impl TestServer {
     /// whole).
     pub async fn create_database(&self, name: &str) -> Result<Config, tokio_postgres::Error> {
         let client = self.connect().await?;
-        client
-            .batch_execute(&format!("CREATE DATABASE {}", quote_ident(name)))
-            .await?;
+        client.batch_execute(&format!("CREATE DATABASE {}", quote_ident(name))).await?;
         let mut config = self.config();
         config.dbname(name);
         Ok(config)
@@ -328,9 +322,7 @@ pub struct TestCluster {
 impl TestCluster {
     /// Creates and starts a new private cluster.
     pub fn start() -> io::Result<TestCluster> {
-        Ok(TestCluster {
-            cluster: Cluster::launch()?,
-        })
+        Ok(TestCluster { cluster: Cluster::launch()? })
     }
 
     /// Stops the server in fast mode (`pg_ctl stop -m fast`): sessions are terminated, the
@@ -451,17 +443,13 @@ impl Cluster {
         };
         // From here on, an early return drops `cluster`, which deletes `root` and stops a
         // server started in it.
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&cluster.socket_dir)?;
+        fs::DirBuilder::new().mode(0o700).create(&cluster.socket_dir)?;
         cluster.give_to_server_user(&cluster.root)?;
         cluster.give_to_server_user(&cluster.socket_dir)?;
         // The watchdog comes before the first server command, so that nothing started after
         // it can outlive this process.
-        *cluster
-            .watchdog
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = Some(cluster.spawn_watchdog()?);
+        *cluster.watchdog.get_mut().unwrap_or_else(PoisonError::into_inner) =
+            Some(cluster.spawn_watchdog()?);
         cluster.initdb()?;
         cluster.configure()?;
         cluster.start_on_free_port()?;
@@ -541,10 +529,8 @@ impl Cluster {
             .map_err(|e| annotate(e, "could not start the watchdog /bin/sh".to_owned()))?;
         // The pipe's write end is close-on-exec (std creates every descriptor so), so no other
         // child inherits it and our death really closes it.
-        let stdin = child
-            .stdin
-            .take()
-            .ok_or_else(|| io::Error::other("watchdog has no stdin pipe"))?;
+        let stdin =
+            child.stdin.take().ok_or_else(|| io::Error::other("watchdog has no stdin pipe"))?;
         Ok(Watchdog { child, stdin })
     }
 
@@ -655,15 +641,10 @@ impl Cluster {
         // This may be called from inside a tokio runtime (a test calling `shared()`), where
         // blocking on a future is not allowed: run the SQL on a thread of its own.
         thread::spawn(move || -> io::Result<()> {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(async {
                 let client = connect_spawned(&config).await.map_err(io::Error::other)?;
-                client
-                    .batch_execute(CREATE_PASSWORD_ROLE_SQL)
-                    .await
-                    .map_err(io::Error::other)
+                client.batch_execute(CREATE_PASSWORD_ROLE_SQL).await.map_err(io::Error::other)
             })
         })
         .join()
@@ -678,11 +659,7 @@ impl Drop for Cluster {
         // never started), and the watchdog retries both steps anyway.
         let _ = self.stop("immediate");
         let _ = fs::remove_dir_all(&self.root);
-        let watchdog = self
-            .watchdog
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let watchdog = self.watchdog.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(Watchdog { mut child, stdin }) = watchdog {
             // Releasing the watchdog finds nothing left to do; wait (bounded) so it is reaped.
             drop(stdin);
@@ -709,9 +686,8 @@ fn find_bin_dir() -> io::Result<PathBuf> {
         for entry in entries.flatten() {
             let name = entry.file_name();
             // "15", "9.6": compare numerically, part by part.
-            let Some(version) = name
-                .to_str()
-                .and_then(|v| v.split('.').map(|part| part.parse().ok()).collect())
+            let Some(version) =
+                name.to_str().and_then(|v| v.split('.').map(|part| part.parse().ok()).collect())
             else {
                 continue;
             };
@@ -747,10 +723,9 @@ fn server_user() -> io::Result<Option<SystemUser>> {
         .find_map(|line| {
             let fields: Vec<&str> = line.split(':').collect();
             match fields.as_slice() {
-                [name, _, uid, gid, ..] if *name == SUPERUSER => Some(SystemUser {
-                    uid: uid.parse().ok()?,
-                    gid: gid.parse().ok()?,
-                }),
+                [name, _, uid, gid, ..] if *name == SUPERUSER => {
+                    Some(SystemUser { uid: uid.parse().ok()?, gid: gid.parse().ok()? })
+                }
                 _ => None,
             }
         })
@@ -791,15 +766,11 @@ fn effective_uid() -> io::Result<u32> {
 fn free_port() -> io::Result<u16> {
     // The port is free now; the server binds it a moment later, and `start_on_free_port`
     // retries in the rare case someone took it in between.
-    Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
+    Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
 fn run(command: &mut Command, what: &str) -> io::Result<()> {
-    let output = command
-        .output()
-        .map_err(|e| annotate(e, format!("could not run {what}")))?;
+    let output = command.output().map_err(|e| annotate(e, format!("could not run {what}")))?;
     if output.status.success() {
         Ok(())
     } else {
@@ -867,8 +838,7 @@ fn redirect(config: &Config, addr: SocketAddr) -> Config {
     if let Some(timeout) = config.get_connect_timeout() {
         out.connect_timeout(*timeout);
     }
-    out.ssl_mode(config.get_ssl_mode())
-        .channel_binding(config.get_channel_binding());
+    out.ssl_mode(config.get_ssl_mode()).channel_binding(config.get_channel_binding());
     out
 }
 
@@ -882,12 +852,9 @@ fn external_tcp_addr(config: &Config) -> io::Result<SocketAddr> {
             if let Ok(ip) = host.parse::<IpAddr>() {
                 return Ok(SocketAddr::new(ip, port));
             }
-            (host.as_str(), port)
-                .to_socket_addrs()?
-                .next()
-                .ok_or_else(|| {
-                    io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"))
-                })
+            (host.as_str(), port).to_socket_addrs()?.next().ok_or_else(|| {
+                io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"))
+            })
         }
         _ => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -972,9 +939,7 @@ impl ProxyShared {
     }
 
     fn connections(&self) -> std::sync::MutexGuard<'_, Connections> {
-        self.connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.connections.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -992,12 +957,7 @@ impl Proxy {
         });
         let accept_task =
             tokio::spawn(accept_loop(listener, upstream, Arc::clone(&shared))).abort_handle();
-        Ok(Proxy {
-            addr,
-            upstream,
-            shared,
-            accept_task,
-        })
+        Ok(Proxy { addr, upstream, shared, accept_task })
     }
 
     /// The address clients connect to.

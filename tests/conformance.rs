@@ -8,14 +8,16 @@ const PAGE: usize = 7;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_pool_size_1() {
-    let store = common::builder(&common::table("conf1")).pool_size(1).page_size(PAGE).open().await.unwrap();
+    let store =
+        common::builder(&common::table("conf1")).pool_size(1).page_size(PAGE).open().await.unwrap();
     check_all(&Native(store.clone(), PAGE)).await;
     store.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_pool_size_8() {
-    let store = common::builder(&common::table("conf8")).pool_size(8).page_size(PAGE).open().await.unwrap();
+    let store =
+        common::builder(&common::table("conf8")).pool_size(8).page_size(PAGE).open().await.unwrap();
     check_all(&Native(store.clone(), PAGE)).await;
     store.close().await.unwrap();
 }

@@ -21,7 +21,12 @@ pub trait Kv: Send + Sync {
     fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()>;
     fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()>;
     fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>>;
-    fn list_page<'a>(&'a self, p: &'a str, s: &'a str, token: Option<String>) -> BoxFut<'a, PageOut>;
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut>;
     fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>>;
     /// Keys per page the store was configured with.
     fn page_size(&self) -> usize;
@@ -45,7 +50,12 @@ impl Kv for Native {
     fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
         Box::pin(async move { Ok(self.0.list(p, s).await?) })
     }
-    fn list_page<'a>(&'a self, p: &'a str, s: &'a str, token: Option<String>) -> BoxFut<'a, PageOut> {
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut> {
         Box::pin(async move {
             let page = self.0.list_paginated(p, s, token.map(pgfence::PageToken::new)).await?;
             Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
@@ -234,7 +244,8 @@ pub async fn check_list_all_keys(kv: &dyn Kv) {
     let all = kv.list_all().await.unwrap();
     let set: BTreeSet<(String, String, String)> = all.iter().cloned().collect();
     assert_eq!(set.len(), all.len(), "no duplicates");
-    for (p, s, k) in [("rt", "sub", "k1"), ("rt", "other", "k1"), ("", "", "top"), ("en", "", "mid")]
+    for (p, s, k) in
+        [("rt", "sub", "k1"), ("rt", "other", "k1"), ("", "", "top"), ("en", "", "mid")]
     {
         assert!(set.contains(&(p.into(), s.into(), k.into())), "{p}/{s}/{k} listed");
     }

@@ -10,7 +10,8 @@ use pgfence::{Builder, PgKvStore};
 
 /// The shared test server (DATABASE_URL or a private cluster). Fails the test loudly if none.
 pub fn server() -> &'static TestServer {
-    TestServer::shared().expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
+    TestServer::shared()
+        .expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
 }
 
 /// A fresh table name for one test.
