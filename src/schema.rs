@@ -169,7 +169,14 @@ pub(crate) async fn create_database(config: &tokio_postgres::Config) -> Result<(
             tracing::info!(database = %name, "pgfence created the database");
             Ok(())
         }
-        Err(e) if e.code() == Some(&SqlState::DUPLICATE_DATABASE) => Ok(()),
+        // Concurrent creations: the loser sees either the duplicate or the catalog's unique
+        // index, depending on timing. Either way the database now exists.
+        Err(e)
+            if e.code() == Some(&SqlState::DUPLICATE_DATABASE)
+                || e.code() == Some(&SqlState::UNIQUE_VIOLATION) =>
+        {
+            Ok(())
+        }
         Err(source) => Err(Error::Database { operation: "create database", source }),
     }
 }

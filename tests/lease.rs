@@ -1,0 +1,413 @@
+//! The lease: contention, setup rollback, renewal, starvation, the fence, stale owners and
+//! fail-closed renewal.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{HANG_GUARD, admin, builder, lease_row, lease_table, steal_lease, table, within};
+use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_open_gets_lease_held_with_holder_and_epoch() {
+    let t = table("held");
+    let a = builder(&t).application_name("store-a").open().await.unwrap();
+    assert_eq!(a.fencing_token(), 1);
+    let e = builder(&t).application_name("store-b").open().await.unwrap_err();
+    match &e {
+        Error::LeaseHeld { holder, epoch, expires_in, .. } => {
+            assert!(holder.contains("store-a"), "holder names A: {holder}");
+            assert!(holder.contains(&std::process::id().to_string()), "holder has the pid");
+            assert_eq!(*epoch, 1);
+            assert!(*expires_in > Duration::ZERO && *expires_in <= Duration::from_secs(15));
+        }
+        other => panic!("expected LeaseHeld, got {other:?}"),
+    }
+    assert!(e.is_lease_held());
+    assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::AlreadyExists);
+    a.close().await.unwrap();
+    let b = builder(&t).open().await.unwrap();
+    assert_eq!(b.fencing_token(), 2, "epoch is +1 per acquisition");
+    b.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_opens_on_a_fresh_database_one_wins() {
+    // A database that does not exist yet: every opener races to create it too.
+    let mut config = common::server().config();
+    let db = table("freshdb");
+    config.dbname(&db);
+    let opens: Vec<_> = (0..8)
+        .map(|_| {
+            let b = PgKvStore::builder_from_config(config.clone())
+                .table("kv")
+                .pool_size(1)
+                .lease_ttl(Duration::from_secs(15))
+                .renew_interval(Duration::from_secs(3));
+            tokio::spawn(b.open())
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for open in opens {
+        match within("open", open).await.unwrap() {
+            Ok(store) => winners.push(store),
+            Err(Error::LeaseHeld { epoch, .. }) => assert_eq!(epoch, 1),
+            Err(other) => panic!("only LeaseHeld is acceptable for losers, got {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one store wins");
+    winners[0].write("a", "b", "c", b"x".to_vec()).await.unwrap();
+    winners.pop().unwrap().close().await.unwrap();
+}
+
+/// A loser's schema work is rolled back with its failed acquisition: take a store's schema
+/// back to version 1 (as if written by an older release) while it holds the lease; a second
+/// open migrates to version 2 inside its setup transaction, finds the lease held, and must
+/// leave version 1 in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_rollback_undoes_the_losers_migration() {
+    let t = table("rollback");
+    let a = builder(&t).open().await.unwrap();
+    let db = admin().await;
+    db.batch_execute(&format!(
+        "DROP INDEX \"{t}_created_idx\"; DELETE FROM \"{t}_schema_version\" WHERE version = 2"
+    ))
+    .await
+    .unwrap();
+    let e = builder(&t).open().await.unwrap_err();
+    assert!(e.is_lease_held(), "{e:?}");
+    let version: i32 = db
+        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 1, "the loser's version record was rolled back");
+    let index = db
+        .query_opt("SELECT 1 FROM pg_class WHERE relname = $1", &[&format!("{t}_created_idx")])
+        .await
+        .unwrap();
+    assert!(index.is_none(), "the loser's index was rolled back");
+    // The next successful open migrates for real.
+    a.close().await.unwrap();
+    let b = builder(&t).open().await.unwrap();
+    let version: i32 = db
+        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 2);
+    b.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newer_schema_is_refused_unchanged() {
+    let t = table("toonew");
+    builder(&t).open().await.unwrap().close().await.unwrap();
+    let db = admin().await;
+    db.execute(&format!("INSERT INTO \"{t}_schema_version\" (version) VALUES (99)"), &[])
+        .await
+        .unwrap();
+    let e = builder(&t).open().await.unwrap_err();
+    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 2, .. }), "{e:?}");
+    let (_, epoch, _) = lease_row(&db, &t).await;
+    assert_eq!(epoch, 1, "no lease was taken");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_store_renews_across_intervals() {
+    let t = table("idle");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(6))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    let db = admin().await;
+    let expiry = format!("SELECT expires_at::text FROM {}", lease_table(&t));
+    let mut seen = vec![db.query_one(&expiry, &[]).await.unwrap().get::<_, String>(0)];
+    within("two renewals", async {
+        while seen.len() < 3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now: String = db.query_one(&expiry, &[]).await.unwrap().get(0);
+            if seen.last() != Some(&now) {
+                seen.push(now);
+            }
+        }
+    })
+    .await;
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "expires_at only advances: {seen:?}");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.close().await.unwrap();
+}
+
+/// 16 concurrent writers for several seconds do not starve renewal: the writers' FOR KEY SHARE
+/// does not conflict with renewal's FOR NO KEY UPDATE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_writers_do_not_starve_renewal() {
+    let t = table("starve");
+    let store = builder(&t)
+        .pool_size(16)
+        .lease_ttl(Duration::from_secs(6))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    let db = admin().await;
+    let expiry = format!("SELECT expires_at::text FROM {}", lease_table(&t));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..16)
+        .map(|w| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    store.write("w", "s", &format!("k{}", n % 4), vec![w; 64]).await.unwrap();
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut renewals = 0;
+    let mut last: String = db.query_one(&expiry, &[]).await.unwrap().get(0);
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(4) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now: String = db.query_one(&expiry, &[]).await.unwrap().get(0);
+        if now != last {
+            renewals += 1;
+            last = now;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut writes = 0;
+    for w in writers {
+        writes += within("writer", w).await.unwrap();
+    }
+    assert!(writes > 16, "writers made progress ({writes})");
+    assert!(renewals >= 2, "renewal kept succeeding under write load ({renewals} renewals)");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.close().await.unwrap();
+}
+
+/// The lock semantics the fence relies on, checked directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_row_locks_fence_owner_changes_but_not_writes() {
+    let t = table("locks");
+    let store = builder(&t).open().await.unwrap();
+
+    // FOR NO KEY UPDATE (what renewal takes) does not block writes.
+    let mut holder = admin().await;
+    let tx = holder.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
+        .await
+        .unwrap();
+    within("write beside FOR NO KEY UPDATE", store.write("l", "s", "k", b"1".to_vec()))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    // FOR KEY SHARE (what every write takes) makes an owner change wait until it commits.
+    let tx = holder.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR KEY SHARE", lease_table(&t)), &[])
+        .await
+        .unwrap();
+    let taker = admin().await;
+    let taker_pid: i32 = taker.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    let sql = format!("UPDATE {} SET owner_id = gen_random_uuid() WHERE id = 1", lease_table(&t));
+    let take = tokio::spawn(async move { taker.execute(&sql, &[]).await });
+    wait_for_lock_wait(taker_pid).await;
+    assert!(!take.is_finished(), "owner change waits for FOR KEY SHARE");
+    tx.commit().await.unwrap();
+    assert_eq!(within("owner change", take).await.unwrap().unwrap(), 1);
+    drop(store); // Its lease was taken: the drop must not touch the new owner's row.
+}
+
+/// Waits until backend `pid` is blocked on a lock (not a timing guess: asks the server).
+async fn wait_for_lock_wait(pid: i32) {
+    let db = admin().await;
+    within("lock wait", async {
+        loop {
+            let waiting = db
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+                    &[&pid],
+                )
+                .await
+                .unwrap();
+            if waiting.is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_owner_is_fenced_and_fails_closed() {
+    let t = table("stale");
+    let store = builder(&t).open().await.unwrap();
+    store.write("s", "s", "k", b"before".to_vec()).await.unwrap();
+    let db = admin().await;
+    let new_epoch = steal_lease(&db, &t).await;
+    assert_eq!(new_epoch, 2);
+
+    let e = store.write("s", "s", "k", b"stale".to_vec()).await.unwrap_err();
+    assert!(matches!(e, Error::LeaseLost { epoch: 1, reason: LossReason::Fenced }), "{e:?}");
+    assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::PermissionDenied);
+    let e = store.remove("s", "s", "k", false).await.unwrap_err();
+    assert!(e.is_lease_lost(), "{e:?}");
+    let e = store.write("s", "s", "new-key", b"stale".to_vec()).await.unwrap_err();
+    assert!(e.is_lease_lost(), "{e:?}");
+
+    let rows = db
+        .query(&format!("SELECT key, value, epoch FROM \"{t}\" ORDER BY key"), &[])
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1, "nothing new was written");
+    assert_eq!(rows[0].get::<_, Vec<u8>>(1), b"before", "the row is unchanged");
+    assert_eq!(rows[0].get::<_, i64>(2), 1);
+
+    // Every later operation fails the same way, reads included, and the state says so.
+    assert!(store.read("s", "s", "k").await.unwrap_err().is_lease_lost());
+    assert!(store.list("s", "s").await.unwrap_err().is_lease_lost());
+    assert!(store.list_all_keys().await.unwrap_err().is_lease_lost());
+    assert_eq!(
+        *store.lease_state().borrow(),
+        LeaseState::Lost { epoch: 1, reason: LossReason::Fenced }
+    );
+    let (owner, epoch, _) = lease_row(&db, &t).await;
+    store.close().await.unwrap();
+    assert_eq!(lease_row(&db, &t).await.0, owner, "closing a stale store leaves the lease alone");
+    assert_eq!(epoch, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_finding_the_lease_taken_fails_closed() {
+    let t = table("taken");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(6))
+        .renew_interval(Duration::from_millis(300))
+        .open()
+        .await
+        .unwrap();
+    let mut state = store.lease_state();
+    steal_lease(&admin().await, &t).await;
+    within("loss noticed by renewal", state.wait_for(|s| matches!(s, LeaseState::Lost { .. })))
+        .await
+        .unwrap();
+    assert_eq!(*state.borrow(), LeaseState::Lost { epoch: 1, reason: LossReason::TakenOver });
+    assert!(store.read("a", "b", "c").await.unwrap_err().is_lease_lost());
+}
+
+/// A write blocked on a row lock holds its FOR KEY SHARE on the lease row; the lease expires
+/// meanwhile and a contender tries to take over. The takeover must wait for the write to
+/// commit, so the write's value and epoch are in place before the new epoch begins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_write_fences_the_takeover() {
+    let t = table("inflight");
+    let store = builder(&t).application_name("first").open().await.unwrap();
+    store.write("f", "s", "k", b"old".to_vec()).await.unwrap();
+
+    // Hold the KV row so the next write blocks inside its statement, after the lease check.
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[])
+        .await
+        .unwrap();
+    let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
+    wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+
+    // The lease expires (an UPDATE of expires_at only: it does not wait for the writer).
+    let db = admin().await;
+    db.execute(
+        &format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t)),
+        &[],
+    )
+    .await
+    .unwrap();
+    // A contender opens: its acquisition must wait on the writer's FOR KEY SHARE.
+    let contender = tokio::spawn(builder(&t).application_name("second").open());
+    wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
+    assert!(!contender.is_finished() && !write.is_finished());
+
+    tx.commit().await.unwrap(); // Let the write go on.
+    within("in-flight write", write).await.unwrap().expect("the fenced write commits");
+    let second = within("contender", contender).await.unwrap().expect("then the takeover");
+    assert_eq!(second.fencing_token(), 2);
+    let row = db
+        .query_one(&format!("SELECT value, epoch FROM \"{t}\" WHERE key = 'k'"), &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Vec<u8>>(0), b"in-flight");
+    assert_eq!(row.get::<_, i64>(1), 1, "written under the old epoch, before the new one began");
+    // The old store is now fenced; the new one writes under epoch 2.
+    assert!(store.write("f", "s", "k", b"late".to_vec()).await.unwrap_err().is_lease_lost());
+    second.write("f", "s", "k", b"new".to_vec()).await.unwrap();
+    second.close().await.unwrap();
+}
+
+/// Waits until some backend running a query matching `pattern` (SQL LIKE) waits on a lock.
+async fn wait_for_query_lock_wait(pattern: &str) {
+    let db = admin().await;
+    within("lock wait", async {
+        loop {
+            let waiting = db
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                    &[&pattern],
+                )
+                .await
+                .unwrap();
+            if waiting.is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+/// Renewal blocked past the local deadline: the store fails closed while the database still
+/// shows the lease unexpired (the deadline comes first, by design).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_renewal_fails_closed_before_database_expiry() {
+    let t = table("deadline");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(20))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    let mut state = store.lease_state();
+    // FOR NO KEY UPDATE conflicts with renewal's UPDATE but not with writes.
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
+        .await
+        .unwrap();
+    within("deadline", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
+    assert_eq!(*state.borrow(), LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed });
+    let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;
+    assert_eq!(owner, store.owner_id());
+    assert!(expires_in_ms > 0, "the database still shows the lease valid ({expires_in_ms} ms)");
+    let e = store.write("d", "s", "k", vec![]).await.unwrap_err();
+    assert!(matches!(e, Error::LeaseLost { reason: LossReason::DeadlinePassed, .. }), "{e:?}");
+    tx.rollback().await.unwrap();
+    // Even once renewal could go on, the loss is permanent.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(store.read("d", "s", "k").await.unwrap_err().is_lease_lost());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panic_policy_panics_in_the_calling_task() {
+    let t = table("panic");
+    let store = builder(&t).on_lease_lost(LeaseLossPolicy::Panic).open().await.unwrap();
+    steal_lease(&admin().await, &t).await;
+    let write = tokio::spawn(store.write("p", "s", "k", vec![]));
+    let joined = tokio::time::timeout(HANG_GUARD, write).await.expect("no hang");
+    assert!(joined.unwrap_err().is_panic(), "the write panicked");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
+}
