@@ -190,7 +190,12 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source, .. } => is_connection_error(source),
-            Error::Pool { .. } | Error::Timeout { .. } => true,
+            Error::Pool { source, .. } => match &**source {
+                deadpool_postgres::PoolError::Timeout(_) => true,
+                deadpool_postgres::PoolError::Backend(e) => is_connection_error(e),
+                _ => false,
+            },
+            Error::Timeout { .. } => true,
             _ => false,
         }
     }

@@ -1,0 +1,121 @@
+//! Transient faults: killed backends and a restarted server. The store recovers without losing
+//! its lease, and no acknowledged write is lost or reordered.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::{admin, builder, table, within};
+use pgfence::{LeaseState, PgKvStore};
+
+/// Writers that each write an increasing counter to their own key until stopped; returns the
+/// last acknowledged counter per key. Any error fails the test.
+fn spawn_writers(
+    store: &PgKvStore,
+    writers: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<(String, u64)>> {
+    (0..writers)
+        .map(|w| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let key = format!("w{w}");
+                let mut acked = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let next = acked + 1;
+                    store
+                        .write("f", "s", &key, next.to_be_bytes().to_vec())
+                        .await
+                        .unwrap_or_else(|e| panic!("write {key}={next}: {e:?}"));
+                    acked = next;
+                }
+                (key, acked)
+            })
+        })
+        .collect()
+}
+
+async fn check_acknowledged(store: &PgKvStore, writers: Vec<tokio::task::JoinHandle<(String, u64)>>) {
+    let mut acked = HashMap::new();
+    for w in writers {
+        let (key, n) = within("writer", w).await.unwrap();
+        assert!(n > 0, "{key} made progress");
+        acked.insert(key, n);
+    }
+    for (key, n) in acked {
+        let value = store.read("f", "s", &key).await.unwrap();
+        assert_eq!(value, n.to_be_bytes().to_vec(), "{key}: the last acknowledged write is there");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_backends_mid_workload_recover_without_loss() {
+    let t = table("killed");
+    // A unique application name marks exactly this store's connections (pool and renewal).
+    let store = builder(&t).application_name(&t).pool_size(4).open().await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = spawn_writers(&store, 6, &stop);
+    let db = admin().await;
+    let mut killed = 0i64;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let n: i64 = db
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                  WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                &[&format!("pgfence {t}")],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        killed += n;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    assert!(killed >= 5, "connections were really terminated ({killed})");
+    check_acknowledged(&store, writers).await;
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.close().await.unwrap();
+}
+
+/// A restart shorter than the local deadline: the store keeps its lease and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_shorter_than_the_deadline_keeps_the_lease() {
+    let cluster = Arc::new(pgfence::testing::TestCluster::start().expect("private cluster"));
+    let store = PgKvStore::builder_from_config(cluster.config())
+        .table("kv")
+        .pool_size(4)
+        .lease_ttl(Duration::from_secs(60))
+        .renew_interval(Duration::from_secs(1))
+        .open()
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = spawn_writers(&store, 4, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let restarting = cluster.clone();
+    tokio::task::spawn_blocking(move || restarting.restart()).await.unwrap().unwrap();
+    // Renewal must succeed again after the restart, and writers go on.
+    let mut state = store.lease_state();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    check_acknowledged(&store, writers).await;
+    assert!(!state.has_changed().unwrap(), "lease state never changed");
+    assert_eq!(*state.borrow_and_update(), LeaseState::Held { epoch: 1 });
+    store.write("after", "s", "k", b"ok".to_vec()).await.unwrap();
+    let client = cluster.connect().await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT owner_id, (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint
+               FROM kv_lease",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, uuid::Uuid>(0), store.owner_id());
+    assert!(row.get::<_, i64>(1) > 50_000, "renewed after the restart");
+    store.close().await.unwrap();
+}

@@ -1,0 +1,120 @@
+//! Bad input and bad configuration get typed errors before any SQL runs; nothing is changed.
+
+mod common;
+
+use std::io::ErrorKind;
+use std::time::Duration;
+
+use common::{admin, builder, table};
+use pgfence::testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
+use pgfence::{Error, PgKvStore};
+
+async fn table_count() -> i64 {
+    admin()
+        .await
+        .query_one("SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_table_names_are_rejected_before_any_sql() {
+    let long = "t".repeat(49);
+    let injection = format!("{}\"; DROP TABLE y; --", table("inj"));
+    for name in ["", "a.b.c", ".t", "t.", "1t", "t-1", "t t", "é", long.as_str(), injection.as_str()] {
+        let e = builder(name).open().await.unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { field: "table", .. }), "{name:?}: {e:?}");
+        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::InvalidInput);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quote_injection_in_the_table_name_is_harmless() {
+    // A victim table that an injection would drop.
+    let db = admin().await;
+    let victim = table("victim");
+    db.batch_execute(&format!("CREATE TABLE \"{victim}\" (x int)")).await.unwrap();
+    let before = table_count().await;
+    let e = builder(&format!("x\"; DROP TABLE \"{victim}\"; --")).open().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+    assert_eq!(table_count().await, before, "no table created or dropped");
+    db.batch_execute(&format!("SELECT * FROM \"{victim}\"")).await.expect("victim intact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inconsistent_timings_and_sizes_are_rejected() {
+    let t = table("cfg");
+    let cases: Vec<(pgfence::Builder, &str)> = vec![
+        (builder(&t).lease_ttl(Duration::from_secs(10)).renew_interval(Duration::from_secs(10)), "renew_interval"),
+        (builder(&t).lease_ttl(Duration::from_secs(3)).renew_interval(Duration::from_secs(5)), "renew_interval"),
+        (builder(&t).renew_interval(Duration::ZERO), "renew_interval"),
+        (builder(&t).lease_ttl(Duration::ZERO), "lease_ttl"),
+        (builder(&t).local_deadline(Duration::from_secs(20)), "local_deadline"),
+        (builder(&t).pool_size(0), "pool_size"),
+        (builder(&t).page_size(0), "page_size"),
+        (builder(&t).max_value_size(2 << 30), "max_value_size"),
+        (PgKvStore::builder("postgres://u@h:notaport/db"), "connection string"),
+    ];
+    let before = table_count().await;
+    for (b, field) in cases {
+        let e = b.open().await.unwrap_err();
+        match e {
+            Error::InvalidConfig { field: f, .. } => assert_eq!(f, field, "{e}"),
+            other => panic!("{field}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    assert_eq!(table_count().await, before, "nothing created");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_large_value_is_rejected_and_nothing_written() {
+    let store = builder(&table("big")).max_value_size(1024).open().await.unwrap();
+    let e = store.write("v", "s", "k", vec![0; 1025]).await.unwrap_err();
+    assert!(matches!(e, Error::ValueTooLarge { len: 1025, max: 1024 }), "{e:?}");
+    store.write("v", "s", "k", vec![0; 1024]).await.unwrap();
+    assert!(store.list("v", "s").await.unwrap() == vec!["k".to_owned()]);
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_host_is_a_typed_error() {
+    // Port 1 on loopback: nothing listens there, the connection is refused at once.
+    let e = PgKvStore::builder("postgres://nobody@127.0.0.1:1/db")
+        .connect_timeout(Duration::from_secs(5))
+        .open()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    assert!(e.is_retryable(), "a refused connection may work later");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_password_is_a_typed_error_that_never_shows_the_password() {
+    let server = common::server();
+    server.ensure_password_role().await.unwrap();
+    let secret = "wrong-secret-5f2c";
+    let url = format!(
+        "postgres://{PASSWORD_ROLE}:{secret}@127.0.0.1:{}/postgres",
+        server.port()
+    );
+    let b = PgKvStore::builder(&url).table(table("pw"));
+    assert!(!format!("{b:?}").contains(secret), "Debug of the builder hides the password");
+    let e = b.open().await.unwrap_err();
+    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    assert!(!e.is_retryable(), "a wrong password will not fix itself");
+    let shown = format!("{e} {e:?} {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+    assert!(!shown.contains(secret), "errors never show the password: {shown}");
+    // The right password works: the error above really was the password.
+    let url = format!(
+        "postgres://{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}@127.0.0.1:{}/postgres",
+        server.port()
+    );
+    admin()
+        .await
+        .batch_execute(&format!("GRANT CREATE ON SCHEMA public TO {PASSWORD_ROLE}"))
+        .await
+        .unwrap();
+    let store = PgKvStore::builder(&url).table(table("pw")).pool_size(1).open().await.unwrap();
+    store.close().await.unwrap();
+}

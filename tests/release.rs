@@ -1,0 +1,155 @@
+//! Release: close, drop, outstanding futures, stale stores, and drop in every runtime context.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{admin, builder, lease_row, steal_lease, table, within};
+use pgfence::{Error, LeaseState, PgKvStore};
+
+/// Generous bound for a drop: the default drop timeout is 5 s; this only catches hangs.
+const DROP_BOUND: Duration = Duration::from_secs(20);
+
+/// A TTL far longer than any test: an open that succeeds soon after a release proves the
+/// release, not an expiry.
+fn long_lease(t: &str) -> pgfence::Builder {
+    builder(t).lease_ttl(Duration::from_secs(600)).renew_interval(Duration::from_secs(60))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_drop_another_store_opens_at_once() {
+    let t = table("dropopen");
+    let a = long_lease(&t).open().await.unwrap();
+    a.write("d", "s", "k", b"a".to_vec()).await.unwrap();
+    drop(a);
+    let b = long_lease(&t).open().await.expect("no TTL wait after drop");
+    assert_eq!(b.fencing_token(), 2);
+    assert_eq!(b.read("d", "s", "k").await.unwrap(), b"a");
+    b.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_releases_and_later_calls_get_closed() {
+    let t = table("close");
+    let a = long_lease(&t).open().await.unwrap();
+    let mut state = a.lease_state();
+    a.close().await.expect("close returns the release result");
+    assert_eq!(*state.borrow_and_update(), LeaseState::Released { epoch: 1 });
+    let (_, epoch, expires_in_ms) = lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 1, "the epoch counter is kept");
+    assert!(expires_in_ms <= 0, "released: expired now");
+    assert!(matches!(a.write("c", "s", "k", vec![]).await, Err(Error::Closed)));
+    assert!(matches!(a.read("c", "s", "k").await, Err(Error::Closed)));
+    a.close().await.expect("closing twice is Ok");
+    let b = long_lease(&t).open().await.unwrap();
+    assert_eq!(b.fencing_token(), 2);
+    b.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_taken_over_store_leaves_the_successors_lease_alone() {
+    let t = table("dropstale");
+    let a = long_lease(&t).open().await.unwrap();
+    let db = admin().await;
+    steal_lease(&db, &t).await;
+    let (owner, epoch, expires_in_ms) = lease_row(&db, &t).await;
+    drop(a);
+    let after = lease_row(&db, &t).await;
+    assert_eq!((after.0, after.1), (owner, epoch), "the successor still owns it");
+    assert!(after.2 > 0 && expires_in_ms > 0, "and it is not expired");
+}
+
+/// A write future created before the drop completes after it, and the release comes after
+/// the write: the future keeps the lease (and its renewal) alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outstanding_write_completes_after_drop_and_release_follows_it() {
+    let t = table("outlive");
+    let a = long_lease(&t).open().await.unwrap();
+    let owner = a.owner_id();
+    let write = a.write("o", "s", "k", b"after-drop".to_vec());
+    let remove = a.remove("o", "s", "gone", false);
+    drop(a);
+    let db = admin().await;
+    let (held_by, _, expires_in_ms) = lease_row(&db, &t).await;
+    assert_eq!(held_by, owner);
+    assert!(expires_in_ms > 0, "not released while a future is outstanding");
+    within("write after drop", write).await.expect("write after drop");
+    // The remove future still holds the store: still not released.
+    assert!(lease_row(&db, &t).await.2 > 0, "not released while the remove is outstanding");
+    within("remove after drop", remove).await.expect("remove after drop");
+    // The last future finished: the release has happened (bounded wait inside its drop).
+    let (_, _, expires_in_ms) = lease_row(&db, &t).await;
+    assert!(expires_in_ms <= 0, "released after the last outstanding future");
+    let value: Vec<u8> = db
+        .query_one(&format!("SELECT value FROM \"{t}\" WHERE key = 'k'"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(value, b"after-drop");
+}
+
+async fn assert_released(t: &str) {
+    let (_, _, expires_in_ms) = lease_row(&admin().await, t).await;
+    assert!(expires_in_ms <= 0, "dropped store released its lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_inside_multi_thread_runtime_is_bounded() {
+    let t = table("dropmt");
+    let a = long_lease(&t).open().await.unwrap();
+    a.write("d", "s", "k", vec![1]).await.unwrap();
+    let started = Instant::now();
+    drop(a);
+    assert!(started.elapsed() < DROP_BOUND);
+    assert_released(&t).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn drop_inside_current_thread_runtime_is_bounded() {
+    let t = table("dropct");
+    let a = long_lease(&t).open().await.unwrap();
+    a.write("d", "s", "k", vec![1]).await.unwrap();
+    let started = Instant::now();
+    drop(a); // Must not wait on this (blocked) runtime's own I/O.
+    assert!(started.elapsed() < DROP_BOUND);
+    assert_released(&t).await;
+}
+
+#[test]
+fn drop_outside_any_runtime_is_bounded() {
+    let t = table("dropnort");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let a: PgKvStore = runtime.block_on(async {
+        let a = long_lease(&t).open().await.unwrap();
+        a.write("d", "s", "k", vec![1]).await.unwrap();
+        a
+    });
+    // The runtime the store was opened on is gone; the drop happens on a plain thread.
+    drop(runtime);
+    let started = Instant::now();
+    drop(a);
+    assert!(started.elapsed() < DROP_BOUND);
+    tokio::runtime::Runtime::new().unwrap().block_on(assert_released(&t));
+}
+
+/// With the database gone, a drop still returns within its timeout (and never panics).
+#[test]
+fn drop_with_the_database_unreachable_is_bounded() {
+    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let a = runtime.block_on(async {
+        PgKvStore::builder_from_config(cluster.config())
+            .table("kv")
+            .pool_size(1)
+            .lease_ttl(Duration::from_secs(600))
+            .renew_interval(Duration::from_secs(60))
+            .drop_timeout(Duration::from_secs(2))
+            .open()
+            .await
+            .unwrap()
+    });
+    cluster.stop().unwrap();
+    let started = Instant::now();
+    runtime.block_on(async move { drop(a) });
+    assert!(started.elapsed() < DROP_BOUND, "{:?}", started.elapsed());
+}
