@@ -172,6 +172,22 @@ impl Builder {
         self
     }
 
+    /// The connection configuration every connection of the store uses, with pgfence's
+    /// defaults filled in where the caller set nothing: the connect timeout, and an
+    /// `application_name` of `pgfence <app>` so operators can find the store's sessions.
+    /// `None` for a pool source.
+    pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
+        let Source::Config(config) = &self.source else { return None };
+        let mut config = (**config).clone();
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(self.connect_timeout);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name(format!("pgfence {}", self.application_name));
+        }
+        Some(config)
+    }
+
     /// The effective local deadline.
     pub(crate) fn deadline(&self) -> Duration {
         self.local_deadline.unwrap_or(self.lease_ttl * 2 / 3)

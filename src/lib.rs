@@ -4,6 +4,7 @@
 
 mod config;
 mod error;
+mod failover;
 mod keys;
 mod lease;
 mod ordering;
@@ -15,6 +16,7 @@ mod store;
 pub mod testing;
 
 pub use config::{Builder, LeaseLossPolicy};
+pub use failover::{Inspector, Standby, StandbyState};
 pub use error::{Error, KeyPath, LossReason, Result};
 pub use keys::MAX_KEY_LEN;
 pub use lease::LeaseState;

@@ -509,6 +509,28 @@ impl Drop for Inner {
 }
 
 impl Builder {
+    /// The pool the store's operations use: built from the configuration (fast recycling:
+    /// a broken connection is noticed on use and retried), or the one supplied.
+    pub(crate) fn pool(&self) -> Result<Pool> {
+        let config = match &self.source {
+            Source::Config(_) => self.connection_config().expect("a config source"),
+            Source::Pool(pool) => return Ok(pool.clone()),
+            Source::Invalid(reason) => return Err(Error::config("connection string", reason.clone())),
+        };
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        );
+        Pool::builder(manager)
+            .max_size(self.pool_size)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(self.connect_timeout))
+            .recycle_timeout(Some(self.connect_timeout))
+            .build()
+            .map_err(|e| Error::config("pool", e.to_string()))
+    }
+
     /// Checks the options, connects, creates or migrates the schema and takes the lease, all in
     /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
     /// live store holds the lease. Creates the database if it does not exist and the role may.
@@ -516,30 +538,13 @@ impl Builder {
         let table = self.validate()?;
         let statements = Statements::new(&table);
         let deadline_after = self.deadline();
-        let (pool, connector, config) = match &self.source {
-            Source::Config(config) => {
-                let mut config = config.clone();
-                if config.get_connect_timeout().is_none() {
-                    config.connect_timeout(self.connect_timeout);
-                }
-                if config.get_application_name().is_none() {
-                    config.application_name(&format!("pgfence {}", self.application_name));
-                }
-                let manager = Manager::from_config(
-                    (*config).clone(),
-                    NoTls,
-                    ManagerConfig { recycling_method: RecyclingMethod::Fast },
-                );
-                let pool = Pool::builder(manager)
-                    .max_size(self.pool_size)
-                    .runtime(Runtime::Tokio1)
-                    .create_timeout(Some(self.connect_timeout))
-                    .recycle_timeout(Some(self.connect_timeout))
-                    .build()
-                    .map_err(|e| Error::config("pool", e.to_string()))?;
-                (pool, Connector::Config(config.clone()), Some(config))
+        let pool = self.pool()?;
+        let (connector, config) = match &self.source {
+            Source::Config(_) => {
+                let config = self.connection_config().expect("a config source");
+                (Connector::Config(Box::new(config.clone())), Some(config))
             }
-            Source::Pool(pool) => (pool.clone(), Connector::Pool(pool.clone()), None),
+            Source::Pool(pool) => (Connector::Pool(pool.clone()), None),
             Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
         };
 

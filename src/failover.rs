@@ -1,0 +1,292 @@
+//! Failover: a standby that waits for the lease, and read-only inspection for operators.
+
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use crate::config::Builder;
+use crate::error::{Error, KeyPath, Result};
+use crate::keys::{TableName, check_key, check_namespaces};
+use crate::schema::{self, LeaseInfo};
+use crate::sql::{self, Statements};
+use crate::store::PgKvStore;
+
+/// Longest a standby sleeps between two looks at the lease when nothing wakes it: bounds the
+/// takeover delay when notifications are unavailable (LISTEN connection down, or a pool source).
+const MAX_POLL: Duration = Duration::from_secs(1);
+
+/// Margin added to the holder's remaining time before trying again, so the attempt lands just
+/// after the expiry rather than just before it.
+const EXPIRY_MARGIN: Duration = Duration::from_millis(25);
+
+/// What a [`Standby`] is doing, published on [`Standby::progress`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StandbyState {
+    /// Connecting, or about to make the first attempt.
+    Starting,
+    /// Another store holds the lease.
+    Waiting {
+        /// Who holds it (`app pid@host`).
+        holder: String,
+        /// The holder's epoch.
+        epoch: i64,
+        /// Time left on the holder's lease, by the database clock, when last seen.
+        expires_in: Duration,
+    },
+    /// The lease is ours; [`Standby::open`] returns the store.
+    Acquired {
+        /// The new epoch.
+        epoch: i64,
+    },
+}
+
+/// A standby: waits until the lease can be taken, then opens the store. Created by
+/// [`Builder::standby`].
+///
+/// While waiting it `LISTEN`s on the table's channel on a connection of its own (never a pooled
+/// one), so a graceful release (`close()` or drop of the holder, which `NOTIFY` in the same
+/// transaction) wakes it at once. After a crash it sleeps until the holder's lease expires by
+/// the database clock, and is woken early by any notification. If the LISTEN connection fails it
+/// polls at least every second and reconnects. Cancel it by dropping the `open()` future; it
+/// leaves nothing running.
+#[derive(Debug)]
+pub struct Standby {
+    builder: Builder,
+    timeout: Option<Duration>,
+    progress: watch::Sender<StandbyState>,
+}
+
+impl Builder {
+    /// A standby for this configuration: see [`Standby`].
+    pub fn standby(self) -> Standby {
+        Standby { builder: self, timeout: None, progress: watch::Sender::new(StandbyState::Starting) }
+    }
+
+    /// Waits, without limit, until the lease can be taken, then opens the store. Shorthand for
+    /// `self.standby().open()`; use [`Builder::standby`] for a timeout or progress reports.
+    pub async fn open_when_available(self) -> Result<PgKvStore> {
+        self.standby().open().await
+    }
+
+    /// Read-only access to the table without taking the lease, for operators and tools.
+    pub async fn inspect(self) -> Result<Inspector> {
+        let table = self.validate()?;
+        let pool = self.pool()?;
+        Ok(Inspector { pool, statements: Statements::new(&table), table })
+    }
+}
+
+impl Standby {
+    /// Gives up with [`Error::Timeout`] if the lease could not be taken within `timeout`.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Watches the standby's progress, for showing standby status.
+    pub fn progress(&self) -> watch::Receiver<StandbyState> {
+        self.progress.subscribe()
+    }
+
+    /// Waits until the lease can be taken and opens the store. Errors other than
+    /// [`Error::LeaseHeld`] and retryable connection errors end the wait.
+    pub async fn open(self) -> Result<PgKvStore> {
+        self.builder.validate()?;
+        match self.timeout {
+            None => self.wait().await,
+            Some(after) => tokio::time::timeout(after, self.wait())
+                .await
+                .map_err(|_| Error::Timeout { operation: "wait for lease", after })?,
+        }
+    }
+
+    async fn wait(&self) -> Result<PgKvStore> {
+        let table = self.builder.validate()?;
+        let mut listener: Option<Listener> = None;
+        loop {
+            // Listen before trying, so a release between a failed attempt and the wait below
+            // is not missed.
+            if listener.as_ref().is_none_or(|l| l.is_closed()) {
+                listener = Listener::start(&self.builder, &table).await;
+            }
+            let wait = match self.builder.clone().open().await {
+                Ok(store) => {
+                    self.progress.send_replace(StandbyState::Acquired { epoch: store.fencing_token() });
+                    return Ok(store);
+                }
+                Err(Error::LeaseHeld { holder, epoch, expires_in, .. }) => {
+                    tracing::debug!(%holder, epoch, ?expires_in, "pgfence standby waiting");
+                    self.progress.send_replace(StandbyState::Waiting { holder, epoch, expires_in });
+                    expires_in + EXPIRY_MARGIN
+                }
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(error = %e, "pgfence standby retrying");
+                    MAX_POLL
+                }
+                Err(e) => return Err(e),
+            };
+            let wait = if listener.is_some() { wait } else { wait.min(MAX_POLL) };
+            match &mut listener {
+                Some(l) => l.wait(wait).await,
+                None => tokio::time::sleep(wait).await,
+            }
+        }
+    }
+}
+
+/// A LISTEN on the table's channel, on a connection of its own. The task that drives the
+/// connection is aborted when the listener is dropped.
+struct Listener {
+    notified: mpsc::UnboundedReceiver<()>,
+    task: tokio::task::JoinHandle<()>,
+    _client: tokio_postgres::Client,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Listener {
+    /// `None` when notifications are unavailable (pool source, or the connection failed): the
+    /// standby then polls.
+    async fn start(builder: &Builder, table: &TableName) -> Option<Listener> {
+        let config = builder.connection_config()?;
+        let connecting = async {
+            let (client, mut connection) = config.connect(NoTls).await?;
+            let (tx, notified) = mpsc::unbounded_channel();
+            // A connection's notifications arrive only through poll_message; the plain
+            // `Connection` future would drop them.
+            let task = tokio::spawn(async move {
+                while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                    match message {
+                        Ok(AsyncMessage::Notification(_)) => {
+                            let _ = tx.send(()); // The standby may be gone; nothing to do.
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::debug!(error = %e, "pgfence standby LISTEN connection ended");
+                            break;
+                        }
+                    }
+                }
+            });
+            let listener = Listener { notified, task, _client: client };
+            let channel = sql::notify_channel(table);
+            listener._client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
+            Ok::<_, tokio_postgres::Error>(listener)
+        };
+        match tokio::time::timeout(builder.connect_timeout, connecting).await {
+            Ok(Ok(listener)) => Some(listener),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "pgfence standby cannot LISTEN; polling instead");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("pgfence standby LISTEN connection timed out; polling instead");
+                None
+            }
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self._client.is_closed() || self.task.is_finished()
+    }
+
+    /// Waits for a notification or `max`, whichever comes first.
+    async fn wait(&mut self, max: Duration) {
+        let _ = tokio::time::timeout(max, self.notified.recv()).await;
+        while self.notified.try_recv().is_ok() {} // One attempt covers every queued notice.
+    }
+}
+
+/// Read-only access to a table without its lease: the lease row, reads and listings, and the
+/// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
+/// yet reads as empty.
+#[derive(Debug)]
+pub struct Inspector {
+    pool: deadpool_postgres::Pool,
+    table: TableName,
+    statements: Statements,
+}
+
+impl Inspector {
+    async fn query(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<Vec<tokio_postgres::Row>>> {
+        let client = self.pool.get().await.map_err(Error::pool(operation))?;
+        match client.query(sql, params).await {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
+            Err(source) => Err(Error::Database { operation, source }),
+        }
+    }
+
+    /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
+    pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
+        let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
+        match schema::lease_info(&**client, &self.statements).await {
+            Err(Error::Database { source, .. }) if source.code() == Some(&SqlState::UNDEFINED_TABLE) => {
+                Ok(None)
+            }
+            other => other,
+        }
+    }
+
+    /// Reads a value; [`Error::NotFound`] if absent.
+    pub async fn read(&self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Result<Vec<u8>> {
+        check_key(primary_namespace, secondary_namespace, key)?;
+        let rows = self
+            .query("read", &self.statements.read, &[&primary_namespace, &secondary_namespace, &key])
+            .await?
+            .unwrap_or_default();
+        match rows.first() {
+            Some(row) => Ok(row.get(0)),
+            None => Err(Error::NotFound(Box::new(KeyPath {
+                primary_namespace: primary_namespace.to_owned(),
+                secondary_namespace: secondary_namespace.to_owned(),
+                key: key.to_owned(),
+            }))),
+        }
+    }
+
+    /// Keys of a namespace pair, sorted.
+    pub async fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> Result<Vec<String>> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let rows = self.query("list", &self.statements.list, &[&primary_namespace, &secondary_namespace]).await?;
+        Ok(rows.unwrap_or_default().iter().map(|row| row.get(0)).collect())
+    }
+
+    /// Every key as `(primary_namespace, secondary_namespace, key)`, sorted.
+    pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
+        let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
+        Ok(rows.unwrap_or_default().iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
+    }
+
+    /// Break-glass: expires the lease whoever holds it, so another store can take it at once,
+    /// and wakes waiting standbys. The holder, if still running, is fenced from its next write
+    /// on and fails closed at its next renewal. Returns who held it (`None`: nobody did).
+    pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
+        let held = self.lease_info().await?.filter(|info| info.active);
+        let Some(held) = held else { return Ok(None) };
+        let channel = sql::notify_channel(&self.table);
+        let rows = self
+            .query("force release", &self.statements.release, &[&held.owner_id, &channel])
+            .await?
+            .unwrap_or_default();
+        // Empty: it expired or changed hands between the two statements; report the state now.
+        if rows.is_empty() {
+            return Ok(self.lease_info().await?.filter(|info| info.active));
+        }
+        tracing::warn!(table = %self.table.display(), epoch = held.epoch, holder = %held.holder,
+            "pgfence lease force-released by an operator");
+        Ok(Some(held))
+    }
+}

@@ -1,0 +1,183 @@
+//! Standby acquisition (LISTEN/NOTIFY handoff, crash takeover, timeout, cancellation) and the
+//! read-only inspector's break-glass release.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{admin, builder, lease_table, table, within};
+use pgfence::{Error, LeaseState, LossReason, StandbyState};
+
+/// Long enough that an acquisition soon after a release proves the release, not an expiry.
+const TTL: Duration = Duration::from_secs(30);
+
+fn standby_builder(t: &str, app: &str) -> pgfence::Builder {
+    builder(t).lease_ttl(TTL).renew_interval(Duration::from_secs(5)).application_name(app)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_release_wakes_the_standby_at_once() {
+    let t = table("handoff");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let standby = standby_builder(&t, "standby").standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+    match &*progress.borrow() {
+        StandbyState::Waiting { holder, epoch, expires_in } => {
+            assert!(holder.contains("active"), "{holder}");
+            assert_eq!(*epoch, 1);
+            assert!(*expires_in > Duration::from_secs(10));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Give the standby a moment in its wait, then release gracefully.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the standby waits while the lease is held");
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let handoff = released.elapsed();
+    println!("graceful handoff took {handoff:?} (TTL {TTL:?})");
+    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    assert_eq!(store.fencing_token(), 2);
+    assert_eq!(*progress.borrow(), StandbyState::Acquired { epoch: 2 });
+    store.close().await.unwrap();
+}
+
+/// A crashed holder never releases: the standby takes over right after the expiry, never
+/// before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_holder_is_taken_over_after_expiry() {
+    let t = table("crash");
+    standby_builder(&t, "first").open().await.unwrap().close().await.unwrap();
+    // A "crashed" owner: a lease row that nobody renews, expiring in 2 s.
+    let db = admin().await;
+    db.execute(
+        &format!(
+            "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                    expires_at = clock_timestamp() + interval '2 seconds' WHERE id = 1",
+            lease_table(&t)
+        ),
+        &[],
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let store = within("takeover", standby_builder(&t, "standby").open_when_available())
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    println!("crash takeover after {took:?} (lease had 2 s left)");
+    assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
+    assert_eq!(store.fencing_token(), 3);
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_timeout_is_a_typed_error() {
+    let t = table("sbtimeout");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let e = standby_builder(&t, "standby")
+        .standby()
+        .timeout(Duration::from_millis(800))
+        .open()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { operation: "wait for lease", .. }), "{e:?}");
+    assert_eq!(*active.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    active.close().await.unwrap();
+}
+
+async fn sessions_of(app: &str) -> i64 {
+    admin()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("pgfence {app}")],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_standby_future_leaves_nothing_running() {
+    let t = table("sbcancel");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let app = format!("sb-{t}");
+    let standby = standby_builder(&t, &app).standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. }))).await.unwrap();
+    assert!(sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
+    within("standby sessions gone", async {
+        while sessions_of(&app).await > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    active.close().await.unwrap();
+}
+
+/// With its LISTEN connection killed, the standby polls (and reconnects) and still takes over
+/// soon after a release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_survives_losing_its_listen_connection() {
+    let t = table("sbkill");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let app = format!("sb-{t}");
+    let standby = standby_builder(&t, &app).standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. }))).await.unwrap();
+    let killed: i64 = admin()
+        .await
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("pgfence {app}")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(killed >= 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    assert!(released.elapsed() < TTL / 2, "{:?}", released.elapsed());
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspector_reads_without_the_lease_and_force_releases() {
+    let t = table("inspect");
+    let missing = builder(&table("nosuch")).inspect().await.unwrap();
+    assert_eq!(missing.lease_info().await.unwrap(), None);
+    assert!(missing.list("a", "b").await.unwrap().is_empty());
+    assert!(missing.read("a", "b", "c").await.unwrap_err().is_not_found());
+
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    active.write("i", "s", "k", b"v".to_vec()).await.unwrap();
+    let inspector = builder(&t).inspect().await.unwrap();
+    let info = inspector.lease_info().await.unwrap().unwrap();
+    assert!(info.active && info.epoch == 1 && info.owner_id == active.owner_id());
+    assert_eq!(inspector.read("i", "s", "k").await.unwrap(), b"v");
+    assert_eq!(inspector.list("i", "s").await.unwrap(), vec!["k".to_owned()]);
+    assert_eq!(inspector.list_all_keys().await.unwrap().len(), 1);
+
+    let held = inspector.force_release().await.unwrap().expect("someone held it");
+    assert_eq!(held.owner_id, active.owner_id());
+    assert_eq!(inspector.force_release().await.unwrap(), None, "now nobody holds it");
+    // The holder is fenced from its next write on.
+    let e = active.write("i", "s", "k", b"after".to_vec()).await.unwrap_err();
+    assert!(matches!(e, Error::LeaseLost { reason: LossReason::Fenced, .. }), "{e:?}");
+    assert_eq!(inspector.read("i", "s", "k").await.unwrap(), b"v");
+    let next = builder(&t).open().await.unwrap();
+    assert_eq!(next.fencing_token(), 2);
+    next.close().await.unwrap();
+}
