@@ -411,3 +411,50 @@ async fn panic_policy_panics_in_the_calling_task() {
     assert!(joined.unwrap_err().is_panic(), "the write panicked");
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
+
+/// Renewal runs on its own thread and connection: a caller's runtime blocked for longer than
+/// the local deadline does not cost the lease.
+#[tokio::test(flavor = "current_thread")]
+async fn blocked_caller_runtime_does_not_stop_renewal() {
+    let t = table("blockedrt");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(6))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    // Block this (only) runtime thread well past the local deadline.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.write("b", "s", "k", b"still mine".to_vec()).await.expect("lease kept");
+    store.close().await.unwrap();
+}
+
+/// `LeaseLossPolicy::Abort` ends the process. Runs the ignored test below in a child process
+/// and checks how it died.
+#[test]
+fn abort_policy_aborts_the_process() {
+    use std::os::unix::process::ExitStatusExt;
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "abort_policy_child", "--include-ignored", "--nocapture"])
+        .env("PGFENCE_ABORT_CHILD", "1")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.signal(), Some(6), "died of SIGABRT: {:?}\n{stderr}", output.status);
+    assert!(stderr.contains("aborting the process"), "says why: {stderr}");
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("child survived"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run in a child process by abort_policy_aborts_the_process"]
+async fn abort_policy_child() {
+    assert!(std::env::var_os("PGFENCE_ABORT_CHILD").is_some(), "only as a child process");
+    let t = table("abort");
+    let store = builder(&t).on_lease_lost(LeaseLossPolicy::Abort).open().await.unwrap();
+    steal_lease(&admin().await, &t).await;
+    let _ = store.write("a", "s", "k", vec![]).await;
+    println!("child survived");
+}
