@@ -31,6 +31,10 @@ pub enum Error {
     },
 
     /// This store no longer owns the lease. Permanent: every later operation fails the same way.
+    ///
+    /// The statement that found the loss wrote nothing. (If a connection broke under an
+    /// earlier attempt of the same call, that attempt may have committed while the lease was
+    /// still held; it is never reordered against other calls of the key.)
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
         /// The epoch this store held.

@@ -143,8 +143,8 @@ impl Lease {
 pub(crate) enum Connector {
     /// Connects on the renewal thread's own runtime: fully independent of the application.
     Config(Box<tokio_postgres::Config>),
-    /// An application-supplied pool: a connection is taken out of it for good (the pool
-    /// shrinks by one). Its I/O task runs on the runtime that created it.
+    /// An application-supplied pool: a connection is taken out of it for good (the pool opens
+    /// a replacement when it needs one). Its I/O task runs on the runtime that created it.
     Pool(deadpool_postgres::Pool),
 }
 

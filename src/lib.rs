@@ -16,6 +16,10 @@ mod store;
 pub mod testing;
 
 pub use config::{Builder, LeaseLossPolicy};
+/// The pool crate `builder_from_pool` takes, re-exported so versions always match.
+pub use deadpool_postgres;
+/// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
+pub use tokio_postgres;
 pub use failover::{Inspector, Standby, StandbyState};
 pub use error::{Error, KeyPath, LossReason, Result};
 pub use keys::MAX_KEY_LEN;

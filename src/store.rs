@@ -56,6 +56,8 @@ pub struct PgKvStore {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) pool: Pool,
+    /// False for a pool the application supplied: `close()` must not close it.
+    pub(crate) owns_pool: bool,
     pub(crate) table: TableName,
     pub(crate) statements: Statements,
     pub(crate) lease: Arc<Lease>,
@@ -155,8 +157,10 @@ impl PgKvStore {
     }
 
     /// Starts configuring a store on an existing pool. The renewal task takes one connection
-    /// out of the pool for good (the pool's size shrinks by one); its I/O then runs on the
-    /// runtime that created it. For renewal fully independent of the application's runtime,
+    /// out of the pool for good (the pool then opens a replacement when needed, so the renewal
+    /// connection comes on top of the pool's maximum); its I/O runs on the runtime that created
+    /// it. Notifications cannot be received through a pooled connection, so a standby on a pool
+    /// polls instead of listening. `close()` leaves the pool open. For renewal fully independent of the application's runtime,
     /// use [`PgKvStore::builder`] or [`PgKvStore::builder_from_config`].
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
@@ -330,8 +334,8 @@ impl PgKvStore {
         schema::lease_info(&**client, &self.inner.statements).await
     }
 
-    /// Closes the store: new operations get [`Error::Closed`], operations already running
-    /// finish, renewal stops and the lease is released by owner id (expired now; the epoch
+    /// Closes the store: new operations get [`Error::Closed`] (including `write`/`remove`
+    /// futures created earlier but not yet polled), operations already running finish, renewal stops and the lease is released by owner id (expired now; the epoch
     /// counter is kept), so another store can open at once. Returns the release's result.
     /// Closing again returns `Ok`.
     pub async fn close(&self) -> Result<()> {
@@ -343,7 +347,9 @@ impl PgKvStore {
             Some(keeper) => keeper.shutdown().await,
             None => Ok(()),
         };
-        inner.pool.close();
+        if inner.owns_pool {
+            inner.pool.close();
+        }
         result
     }
 }
@@ -607,6 +613,7 @@ impl Builder {
         Ok(PgKvStore {
             inner: Arc::new(Inner {
                 pool,
+                owns_pool: !matches!(self.source, Source::Pool(_)),
                 table,
                 statements,
                 lease,

@@ -45,3 +45,23 @@ async fn conformance_current_thread_runtime() {
     check_all(&Native(store.clone(), PAGE)).await;
     store.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_existing_pool() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    let manager = Manager::new(common::server().config(), pgfence::tokio_postgres::NoTls);
+    let pool = Pool::builder(manager).max_size(3).build().unwrap();
+    let store = pgfence::PgKvStore::builder_from_pool(pool.clone())
+        .table(common::table("confpool"))
+        .page_size(PAGE)
+        .lease_ttl(std::time::Duration::from_secs(15))
+        .renew_interval(std::time::Duration::from_secs(3))
+        .open()
+        .await
+        .unwrap();
+    check_all(&Native(store.clone(), PAGE)).await;
+    store.close().await.unwrap();
+    // The application's pool is still usable after the store closed.
+    let client = pool.get().await.expect("the application's pool stays open");
+    client.query_one("SELECT 1", &[]).await.unwrap();
+}
