@@ -115,7 +115,7 @@ pub struct LeaseInfo {
 
 /// Reads the lease row; `None` if the lease was never taken.
 pub(crate) async fn lease_info(
-    client: &impl tokio_postgres::GenericClient,
+    client: &(impl tokio_postgres::GenericClient + Sync),
     statements: &Statements,
 ) -> Result<Option<LeaseInfo>> {
     let rows = client.query(&statements.holder, &[]).await.map_err(Error::db("read lease"))?;

@@ -4,10 +4,10 @@
 //! Like every test of the crate, these need a real PostgreSQL: `DATABASE_URL`, or the server
 //! binaries to start a private cluster. Without either they fail; none of them skips.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -23,10 +23,8 @@ fn shared() -> &'static TestServer {
 }
 
 async fn connect(config: &Config) -> Client {
-    let (client, connection) = config
-        .connect(NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("connect to {config:?}: {e}"));
+    let (client, connection) =
+        config.connect(NoTls).await.unwrap_or_else(|e| panic!("connect to {config:?}: {e}"));
     tokio::spawn(async move {
         let _ = connection.await;
     });
@@ -40,10 +38,7 @@ async fn select_one(client: &Client) -> Result<i32, tokio_postgres::Error> {
 #[tokio::test]
 async fn shared_server_answers_select_1() {
     let server = shared();
-    let client = server
-        .connect()
-        .await
-        .expect("connect to the shared server");
+    let client = server.connect().await.expect("connect to the shared server");
     assert_eq!(select_one(&client).await.expect("SELECT 1"), 1);
     // The URL describes the same server.
     let by_url: Config = server.url().parse().expect("url() parses as a Config");
@@ -72,30 +67,17 @@ fn concurrent_shared_calls_get_the_same_server() {
         .into_iter()
         .map(|t| t.join().expect("thread panicked").expect("shared()"))
         .collect();
-    assert!(
-        results.iter().all(|r| *r == results[0]),
-        "different servers: {results:?}"
-    );
+    assert!(results.iter().all(|r| *r == results[0]), "different servers: {results:?}");
     assert_eq!(results[0].1, shared().port());
 }
 
 #[tokio::test]
 async fn password_role_needs_the_right_password() {
     let server = shared();
-    assert_eq!(
-        pg_hba_password_role(),
-        (PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD)
-    );
-    server
-        .ensure_password_role()
-        .await
-        .expect("create the password role");
+    assert_eq!(pg_hba_password_role(), (PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD));
+    server.ensure_password_role().await.expect("create the password role");
 
-    match server
-        .password_role_config("wrong-password")
-        .connect(NoTls)
-        .await
-    {
+    match server.password_role_config("wrong-password").connect(NoTls).await {
         Ok(_) => panic!(
             "the server accepted a wrong password for {PASSWORD_ROLE} at {}: its pg_hba.conf \
              must require a password (scram-sha-256 or md5) for that role over TCP",
@@ -105,11 +87,7 @@ async fn password_role_needs_the_right_password() {
     }
 
     let client = connect(&server.password_role_config(PASSWORD_ROLE_PASSWORD)).await;
-    let user: String = client
-        .query_one("SELECT current_user::text", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let user: String = client.query_one("SELECT current_user::text", &[]).await.unwrap().get(0);
     assert_eq!(user, PASSWORD_ROLE);
 }
 
@@ -118,20 +96,10 @@ async fn unique_names_are_safe_and_distinct() {
     let a = unique_name("Harness Test-ä");
     let b = unique_name("Harness Test-ä");
     assert_ne!(a, b);
-    for name in [
-        &a,
-        &b,
-        &unique_name(""),
-        &unique_name("9lives"),
-        &unique_name(&"x".repeat(100)),
-    ] {
+    for name in [&a, &b, &unique_name(""), &unique_name("9lives"), &unique_name(&"x".repeat(100))] {
         assert!(name.len() <= 40, "{name}");
         assert!(name.starts_with(|c: char| c.is_ascii_lowercase()), "{name}");
-        assert!(
-            name.chars()
-                .all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_')),
-            "{name}"
-        );
+        assert!(name.chars().all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_')), "{name}");
     }
     // Usable unquoted as a table name.
     let client = shared().connect().await.unwrap();
@@ -145,25 +113,15 @@ async fn unique_names_are_safe_and_distinct() {
 async fn create_database_gives_a_usable_database() {
     let server = shared();
     let name = unique_name("harness_db");
-    let config = server
-        .create_database(&name)
-        .await
-        .expect("create database");
+    let config = server.create_database(&name).await.expect("create database");
     let client = connect(&config).await;
-    let db: String = client
-        .query_one("SELECT current_database()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let db: String = client.query_one("SELECT current_database()::text", &[]).await.unwrap().get(0);
     assert_eq!(db, name);
     drop(client);
     if !server.is_private() {
         // Not ours to keep on someone else's server.
         let admin = server.connect().await.unwrap();
-        admin
-            .batch_execute(&format!("DROP DATABASE {name}"))
-            .await
-            .unwrap();
+        admin.batch_execute(&format!("DROP DATABASE {name}")).await.unwrap();
     }
 }
 
@@ -172,10 +130,7 @@ async fn cluster_restart_breaks_connections_and_keeps_data() {
     let cluster = TestCluster::start().expect("start a private cluster");
     let port = cluster.port();
     let client = cluster.connect().await.expect("connect");
-    client
-        .batch_execute("CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)")
-        .await
-        .unwrap();
+    client.batch_execute("CREATE TABLE kept (v int); INSERT INTO kept VALUES (42)").await.unwrap();
 
     cluster.restart().expect("restart");
     let err = select_one(&client)
@@ -184,24 +139,14 @@ async fn cluster_restart_breaks_connections_and_keeps_data() {
     assert!(client.is_closed(), "client still open after: {err}");
 
     let client = cluster.connect().await.expect("connect after the restart");
-    let v: i32 = client
-        .query_one("SELECT v FROM kept", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let v: i32 = client.query_one("SELECT v FROM kept", &[]).await.unwrap().get(0);
     assert_eq!(v, 42);
     assert_eq!(cluster.port(), port);
 
     cluster.stop().expect("stop");
-    assert!(
-        cluster.connect().await.is_err(),
-        "connected to a stopped server"
-    );
+    assert!(cluster.connect().await.is_err(), "connected to a stopped server");
     cluster.start_again().expect("start again");
-    assert_eq!(
-        select_one(&cluster.connect().await.unwrap()).await.unwrap(),
-        1
-    );
+    assert_eq!(select_one(&cluster.connect().await.unwrap()).await.unwrap(), 1);
 
     let data_dir = cluster.data_dir().to_owned();
     drop(cluster);
@@ -210,6 +155,16 @@ async fn cluster_restart_breaks_connections_and_keeps_data() {
         TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err(),
         "something still listens on port {port} after the cluster was dropped"
     );
+}
+
+/// A child process that is killed if the test fails before it means to kill it.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// When set, [`killed_test_process_leaves_no_server`] plays the test process that gets killed.
@@ -221,59 +176,55 @@ fn killed_test_process_leaves_no_server() {
         // The child: start servers, report them, and wait to be killed.
         let cluster = TestCluster::start().expect("start a private cluster");
         let shared = shared();
-        for data_dir in [
-            cluster.data_dir(),
-            shared.data_dir().expect("private shared server"),
-        ] {
+        for data_dir in [cluster.data_dir(), shared.data_dir().expect("private shared server")] {
             let pid_file = std::fs::read_to_string(data_dir.join("postmaster.pid")).unwrap();
             let pid = pid_file.lines().next().unwrap();
             println!("CHILD-SERVER {pid} {}", data_dir.display());
         }
         println!("CHILD-READY");
-        std::thread::sleep(Duration::from_secs(600));
-        panic!("the child was not killed");
+        // Wait to be killed. Should the parent die first, its end of our stdin closes.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        panic!("the parent went away without killing the child");
     }
 
     // The parent: run this same test as a child process, SIGKILL it, and check that its
     // servers (a `TestCluster` and a private shared server) go away anyway.
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "killed_test_process_leaves_no_server",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        // The child's shared server must be a private one.
-        .env_remove("DATABASE_URL")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the child test process");
+    let mut child = KillOnDrop(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "killed_test_process_leaves_no_server",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, "1")
+            // The child's shared server must be a private one.
+            .env_remove("DATABASE_URL")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the child test process"),
+    );
     let mut servers: Vec<(u32, PathBuf)> = Vec::new();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
     loop {
-        let line = lines
-            .next()
-            .expect("the child ended before it was ready")
-            .unwrap();
-        if let Some(rest) = line.strip_prefix("CHILD-SERVER ") {
+        let line = lines.next().expect("the child ended before it was ready").unwrap();
+        // libtest may print "test <name> ... " in front of the first line.
+        if let Some((_, rest)) = line.split_once("CHILD-SERVER ") {
             let (pid, dir) = rest.split_once(' ').unwrap();
             servers.push((pid.parse().unwrap(), PathBuf::from(dir)));
-        } else if line == "CHILD-READY" {
+        } else if line.contains("CHILD-READY") {
             break;
         }
     }
     assert_eq!(servers.len(), 2);
     for (pid, dir) in &servers {
-        assert!(
-            PathBuf::from(format!("/proc/{pid}")).exists(),
-            "server {pid} not running"
-        );
+        assert!(PathBuf::from(format!("/proc/{pid}")).exists(), "server {pid} not running");
         assert!(dir.exists());
     }
 
-    child.kill().expect("SIGKILL the child");
-    child.wait().unwrap();
+    child.0.kill().expect("SIGKILL the child");
+    child.0.wait().unwrap();
     let killed = Instant::now();
     // Generous bound against hangs; cleanup normally takes well under a second.
     let deadline = killed + Duration::from_secs(20);
@@ -291,65 +242,41 @@ fn killed_test_process_leaves_no_server() {
         );
         assert!(!root.exists(), "{} left behind", root.display());
     }
-    eprintln!(
-        "servers of the killed process gone after {:?}",
-        killed.elapsed()
-    );
+    eprintln!("servers of the killed process gone after {:?}", killed.elapsed());
 }
 
 /// Via a proxy: a query works; a delay slows it down; refusing blocks new connections only;
 /// `cut_all` breaks the connection; dropping the proxy closes its port.
 async fn check_proxy() {
     let server = shared();
-    let proxy = Proxy::start(server.tcp_addr().expect("server address"))
-        .await
-        .expect("start the proxy");
+    let proxy =
+        Proxy::start(server.tcp_addr().expect("server address")).await.expect("start the proxy");
     let via_proxy = server.config_via(proxy.addr());
     let client = connect(&via_proxy).await;
-    assert_eq!(
-        select_one(&client).await.expect("SELECT 1 via the proxy"),
-        1
-    );
+    assert_eq!(select_one(&client).await.expect("SELECT 1 via the proxy"), 1);
     assert_eq!(proxy.connection_count(), 1);
 
     proxy.set_delay(Duration::from_millis(50));
     let started = Instant::now();
     assert_eq!(select_one(&client).await.unwrap(), 1);
     let elapsed = started.elapsed();
-    assert!(
-        elapsed >= Duration::from_millis(50),
-        "delayed query took {elapsed:?}"
-    );
+    assert!(elapsed >= Duration::from_millis(50), "delayed query took {elapsed:?}");
     proxy.set_delay(Duration::ZERO);
 
     proxy.set_refuse(true);
-    assert!(
-        via_proxy.connect(NoTls).await.is_err(),
-        "connected through a refusing proxy"
-    );
-    assert_eq!(
-        select_one(&client).await.unwrap(),
-        1,
-        "refusing broke an existing connection"
-    );
+    assert!(via_proxy.connect(NoTls).await.is_err(), "connected through a refusing proxy");
+    assert_eq!(select_one(&client).await.unwrap(), 1, "refusing broke an existing connection");
     proxy.set_refuse(false);
 
     proxy.cut_all();
     let result = tokio::time::timeout(Duration::from_secs(30), select_one(&client))
         .await
         .expect("a query on a cut connection hung");
-    assert!(
-        result.is_err() || client.is_closed(),
-        "connection survived cut_all"
-    );
+    assert!(result.is_err() || client.is_closed(), "connection survived cut_all");
     assert!(client.is_closed());
 
     let client = connect(&via_proxy).await;
-    assert_eq!(
-        select_one(&client).await.unwrap(),
-        1,
-        "new connection after cut_all"
-    );
+    assert_eq!(select_one(&client).await.unwrap(), 1, "new connection after cut_all");
 
     let addr: SocketAddr = proxy.addr();
     drop(proxy);
