@@ -12,6 +12,9 @@ mod schema;
 mod sql;
 mod store;
 
+pub mod blocking;
+#[cfg(feature = "ldk")]
+pub mod ldk;
 #[cfg(feature = "testing")]
 pub mod testing;
 

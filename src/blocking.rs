@@ -1,0 +1,383 @@
+//! A synchronous facade over the async store, for applications without an async runtime, in
+//! the way the `postgres` crate wraps `tokio-postgres`.
+//!
+//! [`PgKvStore`] owns a small multi-thread tokio runtime of its own ("pgfence-io" threads). Every
+//! call spawns the async store's operation on that runtime and waits for its result on a plain
+//! `std` channel, so it works wherever it is called from: a thread without any runtime, a task
+//! of a multi-thread runtime, or the only thread of a current-thread runtime. It never calls
+//! `block_on` on the caller's runtime and never needs that runtime to make progress: the store
+//! is opened on the facade's runtime, so every pooled connection's I/O task runs there, and the
+//! lease renewal runs on a thread of its own. Blocking a current-thread runtime on its own I/O,
+//! the classic deadlock of sync-over-async facades, cannot happen.
+//!
+//! A call blocks the calling thread until the operation finishes. Inside async code that is
+//! what a synchronous API means; prefer the async store there when you can.
+//!
+//! The guarantees and errors are those of [`crate::PgKvStore`]: fencing, per-key call order,
+//! durability of `Ok`, fail closed with [`Error::LeaseLost`], release on close or drop. Under
+//! [`crate::LeaseLossPolicy::Panic`] the panic is raised in the thread that made the call.
+//!
+//! ```no_run
+//! use pgfence::PgKvStore;
+//!
+//! let store = pgfence::blocking::PgKvStore::open(
+//!     PgKvStore::builder("postgres://app@db.internal/node").table("node_state"),
+//! )?;
+//! store.write("monitors", "", "chan_1", b"state".to_vec())?;
+//! assert_eq!(store.read("monitors", "", "chan_1")?, b"state");
+//! store.close()?;
+//! # Ok::<(), pgfence::Error>(())
+//! ```
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::{self, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::{Arc, mpsc};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::{Builder, LeaseInfo, LeaseState, Page, PageToken, Standby};
+
+/// Worker threads of the facade's runtime: one would do for the I/O; a second keeps a
+/// multi-MiB value's encoding from delaying every other operation of the store.
+const WORKER_THREADS: usize = 2;
+
+/// How long dropping the last handle, outside any async context, waits for the facade's runtime
+/// threads to stop. Operations have all finished by then; this only bounds the thread exits.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A blocking handle on a [`crate::PgKvStore`], with the same guarantees and errors.
+///
+/// Open it with [`PgKvStore::open`] (or [`Builder::open_blocking`]) from any thread, inside or
+/// outside an async runtime. Cloning is cheap and shares one store (one lease) and one runtime.
+///
+/// Every method blocks the calling thread until the store's async operation, run on the
+/// facade's own runtime, has finished. Writes and removes take their place in the key's order
+/// when they are called, like the async store's, so calls made from several threads to the same
+/// key take effect in the order they were made, and `Ok` means committed under this store's
+/// lease.
+///
+/// Dropping the last handle releases the lease (waiting at most the builder's `drop_timeout`)
+/// and shuts the runtime down; it never panics, in any context.
+#[derive(Debug, Clone)]
+pub struct PgKvStore {
+    /// The async store, opened on `io`. Dropped before `io` (declaration order), so the lease
+    /// is released before the runtime stops.
+    pub(crate) store: crate::PgKvStore,
+    pub(crate) io: Arc<IoRuntime>,
+}
+
+impl PgKvStore {
+    /// Opens a store from an async [`Builder`] (see [`Builder::open`]: options are checked,
+    /// the schema is created or migrated and the lease taken, in one transaction), on a new
+    /// runtime of the facade's own. Fails with [`Error::LeaseHeld`] while another live store
+    /// holds the lease.
+    ///
+    /// With [`crate::PgKvStore::builder_from_pool`], hand over a pool nothing else uses: a
+    /// connection is driven by the runtime that created it, and the facade creates its own
+    /// on its runtime, but connections your code created on your runtime would stall (a
+    /// current-thread runtime: deadlock) while a blocking call holds that runtime's thread.
+    pub fn open(builder: Builder) -> Result<PgKvStore> {
+        PgKvStore::open_with(builder.open())
+    }
+
+    /// Waits as a standby until the lease can be taken, then opens the store (see
+    /// [`Standby`]); blocks the calling thread meanwhile. `builder.standby().timeout(..)` bounds
+    /// the wait.
+    pub fn open_standby(standby: Standby) -> Result<PgKvStore> {
+        PgKvStore::open_with(standby.open())
+    }
+
+    /// Runs an opening future on a new facade runtime, so that everything the store creates
+    /// (pooled connections and their I/O tasks) belongs to that runtime.
+    fn open_with(
+        open: impl Future<Output = Result<crate::PgKvStore>> + Send + 'static,
+    ) -> Result<PgKvStore> {
+        let io = IoRuntime::new()?;
+        let store = io.block_on(open)?;
+        Ok(PgKvStore { store, io })
+    }
+
+    /// Like [`PgKvStore::open_with`], without blocking the caller: the returned future may be
+    /// awaited on any runtime. Dropping it cancels the opening (and stops a waiting standby).
+    #[cfg(feature = "ldk")]
+    pub(crate) async fn open_with_async(
+        open: impl Future<Output = Result<crate::PgKvStore>> + Send + 'static,
+    ) -> Result<PgKvStore> {
+        let io = IoRuntime::new()?;
+        let store = io.spawn_cancellable(open).await?;
+        Ok(PgKvStore { store, io })
+    }
+
+    /// Reads a value; [`Error::NotFound`] if the key does not exist.
+    pub fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<Vec<u8>> {
+        let store = self.store.clone();
+        let (pn, sn, key) = owned(primary_namespace, secondary_namespace, key);
+        self.io.block_on(async move { store.read(&pn, &sn, &key).await })
+    }
+
+    /// Writes a value, creating or replacing the key. `Ok` means committed under this store's
+    /// lease (or superseded by a later call to the same key, which is committed).
+    pub fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<()> {
+        // The key's place in its order is taken here, in the call.
+        self.io.block_on(self.store.write(primary_namespace, secondary_namespace, key, value))
+    }
+
+    /// Removes a key; removing a missing key is `Ok`. `lazy` removes are executed eagerly.
+    pub fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> Result<()> {
+        self.io.block_on(self.store.remove(primary_namespace, secondary_namespace, key, lazy))
+    }
+
+    /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
+    pub fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> Result<Vec<String>> {
+        let store = self.store.clone();
+        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
+        self.io.block_on(async move { store.list(&pn, &sn).await })
+    }
+
+    /// One page of a namespace pair's keys, newest-created first; see
+    /// [`crate::PgKvStore::list_paginated`].
+    pub fn list_paginated(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        page_token: Option<PageToken>,
+    ) -> Result<Page> {
+        let store = self.store.clone();
+        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
+        self.io.block_on(async move { store.list_paginated(&pn, &sn, page_token).await })
+    }
+
+    /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, sorted.
+    pub fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
+        let store = self.store.clone();
+        self.io.block_on(async move { store.list_all_keys().await })
+    }
+
+    /// The lease epoch this store holds (the fencing token).
+    pub fn fencing_token(&self) -> i64 {
+        self.store.fencing_token()
+    }
+
+    /// This store's owner id in the lease row.
+    pub fn owner_id(&self) -> Uuid {
+        self.store.owner_id()
+    }
+
+    /// The table, as configured.
+    pub fn table(&self) -> String {
+        self.store.table()
+    }
+
+    /// Watches the lease, as [`crate::PgKvStore::lease_state`]. `borrow()` works from any
+    /// thread; `changed()` may be awaited on any runtime. Without a runtime, use
+    /// [`PgKvStore::wait_while_held`].
+    pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
+        self.store.lease_state()
+    }
+
+    /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
+    /// returns the lease state then: [`LeaseState::Lost`] or [`LeaseState::Released`] if the
+    /// lease ended, [`LeaseState::Held`] on timeout. A watchdog thread calls this in a loop and
+    /// stops the application when it returns anything but `Held`.
+    pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
+        // The waiting task holds only the receiver, never the store: an abandoned wait can not
+        // keep the lease alive after the last handle is dropped.
+        let mut state = self.store.lease_state();
+        let _ = self.io.block_on(async move {
+            let ended = state.wait_for(|s| !matches!(s, LeaseState::Held { .. }));
+            let _ = tokio::time::timeout(timeout, ended).await;
+            Ok(())
+        });
+        self.store.lease_state().borrow().clone()
+    }
+
+    /// The lease row as the database sees it now (holder, epoch, time left).
+    pub fn lease_info(&self) -> Result<Option<LeaseInfo>> {
+        let store = self.store.clone();
+        self.io.block_on(async move { store.lease_info().await })
+    }
+
+    /// Closes the store, as [`crate::PgKvStore::close`]: new operations get [`Error::Closed`],
+    /// running ones finish, and the lease is released at once. Returns the release's result.
+    pub fn close(&self) -> Result<()> {
+        let store = self.store.clone();
+        self.io.block_on(async move { store.close().await })
+    }
+}
+
+impl Builder {
+    /// Opens a [`blocking::PgKvStore`](PgKvStore): the same as [`PgKvStore::open`] with this
+    /// builder.
+    pub fn open_blocking(self) -> Result<PgKvStore> {
+        PgKvStore::open(self)
+    }
+}
+
+fn owned(primary: &str, secondary: &str, key: &str) -> (String, String, String) {
+    (primary.to_owned(), secondary.to_owned(), key.to_owned())
+}
+
+/// The facade's own runtime, shared by every handle of one store and by every task it runs.
+#[derive(Debug)]
+pub(crate) struct IoRuntime {
+    /// `Some` until dropped.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl IoRuntime {
+    pub(crate) fn new() -> Result<Arc<IoRuntime>> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKER_THREADS)
+            .thread_name("pgfence-io")
+            .enable_all()
+            .build()
+            .map_err(|source| Error::Runtime { source })?;
+        Ok(Arc::new(IoRuntime { runtime: Some(runtime) }))
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.runtime.as_ref().expect("the runtime is only taken by drop").handle()
+    }
+
+    /// Runs `future` on this runtime and blocks the calling thread until it has finished.
+    ///
+    /// The wait is a `std` channel receive: legal on any thread, including a runtime's worker
+    /// (where `Runtime::block_on` or `oneshot::blocking_recv` would panic). A panic of the
+    /// operation (the `Panic` loss policy) is resumed in the caller.
+    pub(crate) fn block_on<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> Result<T> {
+        let (done, result) = mpsc::sync_channel(1);
+        self.handle().spawn(async move {
+            let outcome = CatchUnwind(Box::pin(future)).await;
+            let _ = done.send(outcome); // The caller waits for it; it cannot have gone.
+        });
+        match result.recv() {
+            Ok(Ok(output)) => output,
+            Ok(Err(panic)) => panic::resume_unwind(panic),
+            // The task was dropped unfinished: only a runtime shutdown does that, and the
+            // caller's handle keeps the runtime up. Report it as the store being closed.
+            Err(mpsc::RecvError) => Err(Error::Closed),
+        }
+    }
+
+    /// Spawns `future` on this runtime now and returns a future of its output that may be
+    /// awaited on any runtime or executor. The work runs to the end even if the returned future
+    /// is dropped, and keeps the runtime alive until then (as the async store's mutation
+    /// futures keep the lease alive). A panic of the operation is resumed in the awaiting task.
+    #[cfg(feature = "ldk")]
+    pub(crate) fn spawn<T: Send + 'static>(
+        self: &Arc<Self>,
+        future: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> impl Future<Output = Result<T>> + Send + 'static {
+        self.spawn_with(future, false)
+    }
+
+    /// Like [`IoRuntime::spawn`], but dropping the returned future cancels the work: for
+    /// opening a store, where a caller that gives up (a standby that is no longer wanted) must
+    /// leave nothing running. A store opened just before the cancellation is dropped, which
+    /// releases its lease.
+    #[cfg(feature = "ldk")]
+    pub(crate) fn spawn_cancellable<T: Send + 'static>(
+        self: &Arc<Self>,
+        future: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> impl Future<Output = Result<T>> + Send + 'static {
+        self.spawn_with(future, true)
+    }
+
+    #[cfg(feature = "ldk")]
+    fn spawn_with<T: Send + 'static>(
+        self: &Arc<Self>,
+        future: impl Future<Output = Result<T>> + Send + 'static,
+        cancel_on_drop: bool,
+    ) -> impl Future<Output = Result<T>> + Send + 'static {
+        let keep_alive = Arc::clone(self);
+        let task = self.handle().spawn(async move {
+            let output = future.await;
+            drop(keep_alive);
+            output
+        });
+        let keep_alive = Arc::clone(self);
+        async move {
+            // Aborting a finished task does nothing, so the guard only matters if this future is
+            // dropped before the task finished.
+            let _cancel = cancel_on_drop.then(|| AbortOnDrop(task.abort_handle()));
+            let joined = task.await;
+            drop(keep_alive);
+            match joined {
+                Ok(output) => output,
+                Err(e) if e.is_panic() => panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(Error::Closed), // Cancelled: only at runtime shutdown, see block_on.
+            }
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+#[cfg(feature = "ldk")]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+#[cfg(feature = "ldk")]
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Drop for IoRuntime {
+    /// Dropping a tokio runtime inside an async context panics, and waiting for its threads
+    /// there would block a runtime thread (possibly one of this very runtime, when the last
+    /// reference goes with a finished task). So: inside any runtime, shut down in the
+    /// background; elsewhere, wait a bounded time for the threads to exit.
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                runtime.shutdown_background();
+            } else {
+                runtime.shutdown_timeout(SHUTDOWN_TIMEOUT);
+            }
+        }
+    }
+}
+
+/// Catches a panic of the wrapped future, so `block_on` can hand it to the waiting caller
+/// instead of leaving it with a closed channel and no explanation.
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = std::result::Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Unwind safety: a panicking future is never polled again, and the caller re-raises the
+        // panic, exactly as tokio's own JoinHandle would.
+        match panic::catch_unwind(AssertUnwindSafe(|| self.0.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! LDK persistence: the `lightning::util::persist` traits on a fenced PostgreSQL store.
+//!
+//! Behind the cargo feature `ldk`, pinned to `lightning` `=0.3.0-rc3`, the first release with
+//! every trait implemented here. [`LdkStore`] implements [`KVStore`], [`KVStoreSync`],
+//! [`PaginatedKVStore`], [`PaginatedKVStoreSync`], [`MigratableKVStore`] and
+//! [`MigratableKVStoreSync`], so it can be handed to LDK wherever a `KVStore` of either flavor
+//! is expected (monitor persistence, `ChannelManager` and graph persistence, the output sweeper,
+//! `migrate_kv_store_data`).
+//!
+//! # Semantics, as the traits document them
+//!
+//! - **Async `write`/`remove` keep the order of the calls**, not of the futures: the key's place
+//!   in its order is taken in the call, and the operation starts at once on the store's runtime.
+//!   An earlier call's value never overwrites a later one's, however the futures are polled;
+//!   a dropped future's operation still runs to the end.
+//! - `remove` is `Ok` whether or not the key existed; a `lazy` remove is executed eagerly.
+//! - `list` of an unknown namespace is empty; keys come sorted (LDK allows any order).
+//! - `list_paginated` returns keys newest-created first (an overwrite keeps a key's place), in
+//!   pages of the builder's `page_size`, with an opaque token that survives deletions.
+//! - `list_all_keys` returns every key of the table.
+//! - Errors are `lightning::io::Error`s (convertible to and from `std::io::Error`, kind and
+//!   cause kept) whose kinds LDK can act on: `NotFound` (missing key),
+//!   `InvalidInput` (invalid key or namespace; LDK's alphabet and 120-character limit are the
+//!   store's own), `PermissionDenied` (lease lost: this process may never write again),
+//!   `AlreadyExists` (lease held by another live store, at open), `NotConnected` (closed). The
+//!   [`crate::Error`] is kept inside: downcast `e.get_ref()` to see it.
+//!
+//! # Sync and async, from anywhere
+//!
+//! An `LdkStore` owns the runtime of a [`blocking::PgKvStore`] and runs every operation there,
+//! sync or async, and the store is opened there, so that every connection of its pool is driven
+//! by that runtime. The sync traits therefore work from a plain thread, from a multi-thread
+//! runtime and from a current-thread runtime (where LDK often calls them from async code),
+//! without deadlock and without panic; they block the calling thread for the operation.
+//!
+//! # Lease loss
+//!
+//! LDK keeps running after a failed persist unless the application stops it. A lost lease
+//! means another node instance now owns the channel state: this one must stop at once. Watch
+//! [`LdkStore::lease_state`] (or call [`LdkStore::wait_while_held`] from a thread) and shut the
+//! node down when it leaves `Held`, or open the store with
+//! [`crate::LeaseLossPolicy::Abort`] (or `Panic` in a binary built with `panic = "abort"`).
+//! See `examples/ldk.rs` and `docs/ldk.md`.
+
+use std::future::Future;
+use std::time::Duration;
+
+use lightning::io;
+use lightning::util::persist::{
+    KVStore, KVStoreSync, MigratableKVStore, MigratableKVStoreSync, PageToken as LdkPageToken,
+    PaginatedKVStore, PaginatedKVStoreSync, PaginatedListResponse,
+};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::blocking;
+use crate::error::Result;
+use crate::{Builder, LeaseState, Page, PageToken, Standby};
+
+/// A [`crate::PgKvStore`] for LDK: implements every `lightning::util::persist` store trait.
+///
+/// Open it with [`LdkStore::open`] (blocking) or [`LdkStore::open_async`] from any context,
+/// then hand it to LDK, usually in an `Arc`. Cloning is cheap and shares one store (one lease).
+/// Dropping the last handle (and the last outstanding operation) releases the lease and stops
+/// the store's runtime; it never panics, in any context.
+#[derive(Debug, Clone)]
+pub struct LdkStore {
+    inner: blocking::PgKvStore,
+}
+
+impl LdkStore {
+    /// Opens the store, blocking the calling thread (any thread, inside a runtime or not). See
+    /// [`crate::Builder::open`]; fails with [`crate::Error::LeaseHeld`] while another live
+    /// store holds the lease.
+    pub fn open(builder: Builder) -> Result<LdkStore> {
+        Ok(LdkStore { inner: blocking::PgKvStore::open(builder)? })
+    }
+
+    /// Opens the store without blocking; the future may be awaited on any runtime. The store
+    /// itself still runs on a runtime of its own (see the [module docs](self)).
+    pub async fn open_async(builder: Builder) -> Result<LdkStore> {
+        Ok(LdkStore { inner: blocking::PgKvStore::open_with_async(builder.open()).await? })
+    }
+
+    /// A standby node: waits until the lease can be taken, then opens the store (see
+    /// [`Standby`]), blocking the calling thread meanwhile.
+    pub fn open_standby(standby: Standby) -> Result<LdkStore> {
+        Ok(LdkStore { inner: blocking::PgKvStore::open_standby(standby)? })
+    }
+
+    /// A standby node, without blocking: waits until the lease can be taken, then opens the
+    /// store. Start LDK only once this returns. Dropping the future stops the standby and
+    /// leaves nothing running.
+    pub async fn open_standby_async(standby: Standby) -> Result<LdkStore> {
+        Ok(LdkStore { inner: blocking::PgKvStore::open_with_async(standby.open()).await? })
+    }
+
+    /// The blocking facade this store is built on, for the store's own API (`lease_info`,
+    /// `list_paginated` with pgfence's types, ...).
+    pub fn blocking(&self) -> &blocking::PgKvStore {
+        &self.inner
+    }
+
+    /// Watches the lease; see [`crate::PgKvStore::lease_state`]. Stop the node when it leaves
+    /// [`LeaseState::Held`].
+    pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
+        self.inner.lease_state()
+    }
+
+    /// Blocks while the lease is held, at most `timeout`; see
+    /// [`blocking::PgKvStore::wait_while_held`].
+    pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
+        self.inner.wait_while_held(timeout)
+    }
+
+    /// The lease epoch this store holds (the fencing token).
+    pub fn fencing_token(&self) -> i64 {
+        self.inner.fencing_token()
+    }
+
+    /// This store's owner id in the lease row.
+    pub fn owner_id(&self) -> Uuid {
+        self.inner.owner_id()
+    }
+
+    /// Closes the store, blocking: new operations fail, running ones finish, the lease is
+    /// released at once. See [`crate::PgKvStore::close`].
+    pub fn close(&self) -> Result<()> {
+        self.inner.close()
+    }
+
+    /// Closes the store without blocking; the future may be awaited on any runtime.
+    pub async fn close_async(&self) -> Result<()> {
+        let store = self.inner.store.clone();
+        self.inner.io.spawn(async move { store.close().await }).await
+    }
+
+    /// Runs `operation` on the store's runtime; the returned future awaits it from anywhere.
+    fn spawn<T: Send + 'static>(
+        &self,
+        operation: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> impl Future<Output = io::Result<T>> + Send + 'static {
+        let task = self.inner.io.spawn(operation);
+        async move { task.await.map_err(to_io) }
+    }
+}
+
+impl From<blocking::PgKvStore> for LdkStore {
+    fn from(store: blocking::PgKvStore) -> LdkStore {
+        LdkStore { inner: store }
+    }
+}
+
+/// `lightning::io::Error` is `bitcoin_io::Error`, not `std::io::Error`: go through the std error,
+/// whose conversion keeps the kind and keeps the [`crate::Error`] as the inner error.
+fn to_io(e: crate::Error) -> io::Error {
+    io::Error::from(std::io::Error::from(e))
+}
+
+fn owned(primary: &str, secondary: &str, key: &str) -> (String, String, String) {
+    (primary.to_owned(), secondary.to_owned(), key.to_owned())
+}
+
+fn to_ldk(page: Page) -> PaginatedListResponse {
+    PaginatedListResponse {
+        keys: page.keys,
+        next_page_token: page.next_page_token.map(|t| LdkPageToken::new(t.as_str().to_owned())),
+    }
+}
+
+fn from_ldk(token: Option<LdkPageToken>) -> Option<PageToken> {
+    token.map(|t| PageToken::new(t.as_str()))
+}
+
+impl KVStoreSync for LdkStore {
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> io::Result<Vec<u8>> {
+        self.inner.read(primary_namespace, secondary_namespace, key).map_err(to_io)
+    }
+
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        buf: Vec<u8>,
+    ) -> io::Result<()> {
+        self.inner.write(primary_namespace, secondary_namespace, key, buf).map_err(to_io)
+    }
+
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> io::Result<()> {
+        self.inner.remove(primary_namespace, secondary_namespace, key, lazy).map_err(to_io)
+    }
+
+    fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> io::Result<Vec<String>> {
+        self.inner.list(primary_namespace, secondary_namespace).map_err(to_io)
+    }
+}
+
+impl PaginatedKVStoreSync for LdkStore {
+    fn list_paginated(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        page_token: Option<LdkPageToken>,
+    ) -> io::Result<PaginatedListResponse> {
+        self.inner
+            .list_paginated(primary_namespace, secondary_namespace, from_ldk(page_token))
+            .map(to_ldk)
+            .map_err(to_io)
+    }
+}
+
+impl MigratableKVStoreSync for LdkStore {
+    fn list_all_keys(&self) -> io::Result<Vec<(String, String, String)>> {
+        self.inner.list_all_keys().map_err(to_io)
+    }
+}
+
+impl KVStore for LdkStore {
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = io::Result<Vec<u8>>> + 'static + Send {
+        let store = self.inner.store.clone();
+        let (pn, sn, key) = owned(primary_namespace, secondary_namespace, key);
+        self.spawn(async move { store.read(&pn, &sn, &key).await })
+    }
+
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        buf: Vec<u8>,
+    ) -> impl Future<Output = io::Result<()>> + 'static + Send {
+        // The async store takes the key's place in its order here, in the call; spawning it now
+        // starts the write whether or not the caller ever polls the returned future.
+        self.spawn(self.inner.store.write(primary_namespace, secondary_namespace, key, buf))
+    }
+
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = io::Result<()>> + 'static + Send {
+        self.spawn(self.inner.store.remove(primary_namespace, secondary_namespace, key, lazy))
+    }
+
+    fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> impl Future<Output = io::Result<Vec<String>>> + 'static + Send {
+        let store = self.inner.store.clone();
+        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
+        self.spawn(async move { store.list(&pn, &sn).await })
+    }
+}
+
+impl PaginatedKVStore for LdkStore {
+    fn list_paginated(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        page_token: Option<LdkPageToken>,
+    ) -> impl Future<Output = io::Result<PaginatedListResponse>> + 'static + Send {
+        let store = self.inner.store.clone();
+        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
+        let token = from_ldk(page_token);
+        self.spawn(async move { Ok(to_ldk(store.list_paginated(&pn, &sn, token).await?)) })
+    }
+}
+
+impl MigratableKVStore for LdkStore {
+    fn list_all_keys(
+        &self,
+    ) -> impl Future<Output = io::Result<Vec<(String, String, String)>>> + 'static + Send {
+        let store = self.inner.store.clone();
+        self.spawn(async move { store.list_all_keys().await })
+    }
+}

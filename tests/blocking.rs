@@ -1,0 +1,266 @@
+//! The blocking facade (`pgfence::blocking`): the conformance suite run through it from a plain
+//! thread, from inside a multi-thread runtime and from inside a current-thread runtime, and its
+//! own promises: same errors as the async store, lease loss observable without a runtime, the
+//! `Panic` policy raised in the caller, and open/close/drop anywhere without panic or deadlock.
+
+mod common;
+mod sync_support;
+
+use std::io::ErrorKind;
+use std::panic::{self, AssertUnwindSafe};
+use std::time::Duration;
+
+use common::conformance::{BoxFut, Kv, PageOut, check_all};
+use pgfence::blocking::PgKvStore;
+use pgfence::{LeaseLossPolicy, LeaseState, PageToken};
+use sync_support::{Where, guarded, run_in};
+
+const PAGE: usize = 7;
+
+/// The conformance suite's view of the blocking facade: each call blocks inside the future, in
+/// whatever context polls it.
+struct Blocking(PgKvStore);
+
+impl Kv for Blocking {
+    fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
+        Box::pin(async move { Ok(self.0.read(p, s, k)?) })
+    }
+    fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()> {
+        Box::pin(async move { Ok(self.0.write(p, s, k, v)?) })
+    }
+    fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()> {
+        Box::pin(async move { Ok(self.0.remove(p, s, k, false)?) })
+    }
+    fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
+        Box::pin(async move { Ok(self.0.list(p, s)?) })
+    }
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut> {
+        Box::pin(async move {
+            let page = self.0.list_paginated(p, s, token.map(PageToken::new))?;
+            Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
+        })
+    }
+    fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>> {
+        Box::pin(async move { Ok(self.0.list_all_keys()?) })
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+}
+
+/// Opens, runs the suite, and closes or drops the store, all in `place`; then checks from
+/// outside that the lease was given back (a new store opens at once, long before the TTL).
+fn conformance_in(place: Where, close: bool) {
+    let table = common::table("blk");
+    let t = table.clone();
+    run_in(place, "blocking conformance", move || async move {
+        let store = common::builder(&t).page_size(PAGE).open_blocking().expect("open");
+        check_all(&Blocking(store.clone())).await;
+        if close {
+            store.close().expect("close");
+        }
+        drop(store); // Dropped here, inside `place`: must neither panic nor hang.
+    });
+    let again = PgKvStore::open(common::builder(&table)).expect("lease released");
+    again.close().unwrap();
+}
+
+#[test]
+fn conformance_from_a_plain_thread() {
+    conformance_in(Where::PlainThread, true);
+}
+
+#[test]
+fn conformance_inside_a_multi_thread_runtime() {
+    conformance_in(Where::MultiThreadRuntime, false);
+}
+
+#[test]
+fn conformance_inside_a_current_thread_runtime() {
+    conformance_in(Where::CurrentThreadRuntime, false);
+}
+
+/// Takes the lease away from outside, as a successor would; returns the new epoch.
+fn steal(table: &str) -> i64 {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let admin = common::admin().await;
+        common::steal_lease(&admin, table).await
+    })
+}
+
+#[test]
+fn lease_held_at_open_is_already_exists() {
+    guarded("lease held", || {
+        let table = common::table("blkheld");
+        let first = PgKvStore::open(common::builder(&table)).unwrap();
+        let e = common::builder(&table).open_blocking().unwrap_err();
+        assert!(e.is_lease_held(), "{e}");
+        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::AlreadyExists);
+        first.close().unwrap();
+    });
+}
+
+#[test]
+fn lease_loss_fails_closed_and_is_observable_without_a_runtime() {
+    guarded("lease loss", || {
+        let table = common::table("blklost");
+        let store = PgKvStore::open(common::builder(&table)).unwrap();
+        let epoch = store.fencing_token();
+        store.write("p", "s", "k", b"before".to_vec()).unwrap();
+        assert!(matches!(
+            store.wait_while_held(Duration::from_millis(10)),
+            LeaseState::Held { .. }
+        ));
+
+        let successor = steal(&table);
+        assert!(successor > epoch);
+        let e = store.write("p", "s", "k", b"after".to_vec()).unwrap_err();
+        assert!(e.is_lease_lost(), "{e}");
+        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::PermissionDenied);
+        // Permanent, for reads too.
+        let e = store.read("p", "s", "k").unwrap_err();
+        assert!(e.is_lease_lost(), "{e}");
+        match store.wait_while_held(common::HANG_GUARD) {
+            LeaseState::Lost { epoch: lost, .. } => assert_eq!(lost, epoch),
+            other => panic!("expected Lost, got {other:?}"),
+        }
+        assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
+        drop(store); // Releasing by owner id can not touch the successor's lease.
+    });
+}
+
+#[test]
+fn panic_policy_panics_in_the_calling_thread() {
+    guarded("panic policy", || {
+        let table = common::table("blkpanic");
+        let store =
+            PgKvStore::open(common::builder(&table).on_lease_lost(LeaseLossPolicy::Panic)).unwrap();
+        steal(&table);
+        let outcome =
+            panic::catch_unwind(AssertUnwindSafe(|| store.write("p", "s", "k", b"x".to_vec())));
+        let payload = outcome.expect_err("the Panic policy panics in the caller");
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        assert!(message.contains("lease lost"), "{message}");
+        drop(store); // Still never panics on drop.
+    });
+}
+
+#[test]
+fn close_then_every_operation_is_closed() {
+    guarded("close", || {
+        let table = common::table("blkclose");
+        let store = PgKvStore::open(common::builder(&table)).unwrap();
+        let clone = store.clone();
+        store.write("p", "s", "k", b"v".to_vec()).unwrap();
+        store.close().unwrap();
+        assert!(matches!(*store.lease_state().borrow(), LeaseState::Released { .. }));
+        assert!(matches!(clone.wait_while_held(common::HANG_GUARD), LeaseState::Released { .. }));
+        let e = clone.write("p", "s", "k", b"w".to_vec()).unwrap_err();
+        assert!(matches!(e, pgfence::Error::Closed), "{e}");
+        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::NotConnected);
+        clone.close().unwrap(); // Closing again is Ok.
+        // Released at once: the next store opens now and sees the data.
+        let next = PgKvStore::open(common::builder(&table)).unwrap();
+        assert_eq!(next.read("p", "s", "k").unwrap(), b"v");
+        assert!(next.fencing_token() > store.fencing_token());
+        next.close().unwrap();
+    });
+}
+
+/// Many threads at once, one shared key among them: no deadlock, and the key ends with the
+/// value of a write that returned `Ok` last in a sequence made by one thread.
+#[test]
+fn concurrent_threads() {
+    guarded("threads", || {
+        let table = common::table("blkthreads");
+        let store = PgKvStore::open(common::builder(&table)).unwrap();
+        std::thread::scope(|scope| {
+            for t in 0..6 {
+                let store = &store;
+                scope.spawn(move || {
+                    for i in 0..20 {
+                        store.write("thr", &format!("t{t}"), &format!("k{i}"), vec![t, i]).unwrap();
+                        store.write("thr", "shared", "k", vec![t, i]).unwrap();
+                    }
+                });
+            }
+        });
+        for t in 0..6u8 {
+            let keys = store.list("thr", &format!("t{t}")).unwrap();
+            assert_eq!(keys.len(), 20);
+            assert_eq!(store.read("thr", &format!("t{t}"), "k19").unwrap(), vec![t, 19]);
+        }
+        let shared = store.read("thr", "shared", "k").unwrap();
+        assert_eq!(shared[1], 19, "some thread's last write: {shared:?}");
+        store.close().unwrap();
+    });
+}
+
+/// Opened in one context, dropped (the last handle) in each: the lease is released, nothing
+/// panics or hangs.
+#[test]
+fn open_in_one_context_drop_in_another() {
+    for place in Where::ALL {
+        let table = common::table("blkdrop");
+        let store = guarded("open", {
+            let table = table.clone();
+            move || PgKvStore::open(common::builder(&table)).unwrap()
+        });
+        run_in(place, "drop", move || async move {
+            store.write("p", "s", "k", b"v".to_vec()).unwrap();
+            drop(store);
+        });
+        guarded("reopen", move || {
+            let next = PgKvStore::open(common::builder(&table)).expect("lease released on drop");
+            assert_eq!(next.read("p", "s", "k").unwrap(), b"v");
+            next.close().unwrap();
+        });
+    }
+}
+
+/// A thread blocked in `wait_while_held` is woken by a `close` from another thread.
+#[test]
+fn wait_while_held_wakes_on_close() {
+    guarded("wait", || {
+        let store = PgKvStore::open(common::builder(&common::table("blkwait"))).unwrap();
+        let watcher = store.clone();
+        let watching = std::thread::spawn(move || watcher.wait_while_held(Duration::MAX));
+        std::thread::sleep(Duration::from_millis(200));
+        store.close().unwrap();
+        assert!(matches!(watching.join().unwrap(), LeaseState::Released { .. }));
+    });
+}
+
+/// A standby blocked in `open_standby` takes over as soon as the active store closes.
+#[test]
+fn standby_takes_over_when_the_active_store_closes() {
+    guarded("standby", || {
+        let table = common::table("blkstandby");
+        let active = PgKvStore::open(common::builder(&table)).unwrap();
+        active.write("p", "s", "k", b"from active".to_vec()).unwrap();
+        let waiting = std::thread::spawn({
+            let table = table.clone();
+            move || {
+                let standby = common::builder(&table).standby().timeout(common::HANG_GUARD);
+                PgKvStore::open_standby(standby)
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!waiting.is_finished(), "the standby waits while the lease is held");
+        active.close().unwrap();
+        let successor = waiting.join().unwrap().expect("standby acquired the lease");
+        assert!(successor.fencing_token() > active.fencing_token());
+        assert_eq!(successor.read("p", "s", "k").unwrap(), b"from active");
+        successor.close().unwrap();
+    });
+}

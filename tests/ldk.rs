@@ -1,0 +1,445 @@
+//! `pgfence::ldk::LdkStore` through LDK's own traits: the conformance suite through the async
+//! traits (`KVStore`, `PaginatedKVStore`, `MigratableKVStore`) and through the sync traits
+//! (`KVStoreSync`, ...) from a plain thread, inside a multi-thread runtime and inside a
+//! current-thread runtime; per-key call order of async writes; error kinds; and a data
+//! migration round trip with `migrate_kv_store_data` through LDK's `FilesystemStore`.
+#![cfg(feature = "ldk")]
+
+mod common;
+mod sync_support;
+
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::conformance::{BoxFut, Kv, PageOut, check_all};
+use lightning::util::persist::{
+    KVStore, KVStoreSync, KVStoreSyncWrapper, MigratableKVStore, MigratableKVStoreSync, PageToken,
+    PaginatedKVStore, PaginatedKVStoreSync, migrate_kv_store_data,
+};
+use lightning_persister::fs_store::v1::FilesystemStore;
+use pgfence::ldk::LdkStore;
+use sync_support::{Where, guarded, run_in};
+
+const PAGE: usize = 7;
+
+fn std_io(e: lightning::io::Error) -> std::io::Error {
+    std::io::Error::from(e)
+}
+
+/// The suite through LDK's async traits. Every call goes through the trait method, never the
+/// inherent API.
+struct LdkAsync(Arc<LdkStore>);
+
+impl Kv for LdkAsync {
+    fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
+        let fut = KVStore::read(&*self.0, p, s, k);
+        Box::pin(async move { fut.await.map_err(std_io) })
+    }
+    fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()> {
+        let fut = KVStore::write(&*self.0, p, s, k, v);
+        Box::pin(async move { fut.await.map_err(std_io) })
+    }
+    fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()> {
+        let fut = KVStore::remove(&*self.0, p, s, k, false);
+        Box::pin(async move { fut.await.map_err(std_io) })
+    }
+    fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
+        let fut = KVStore::list(&*self.0, p, s);
+        Box::pin(async move { fut.await.map_err(std_io) })
+    }
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut> {
+        let fut = PaginatedKVStore::list_paginated(&*self.0, p, s, token.map(PageToken::new));
+        Box::pin(async move {
+            let page = fut.await.map_err(std_io)?;
+            Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
+        })
+    }
+    fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>> {
+        let fut = MigratableKVStore::list_all_keys(&*self.0);
+        Box::pin(async move { fut.await.map_err(std_io) })
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+}
+
+/// The suite through LDK's sync traits: each call blocks inside the future, in whatever context
+/// polls it.
+struct LdkSync(LdkStore);
+
+impl Kv for LdkSync {
+    fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
+        Box::pin(async move { KVStoreSync::read(&self.0, p, s, k).map_err(std_io) })
+    }
+    fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()> {
+        Box::pin(async move { KVStoreSync::write(&self.0, p, s, k, v).map_err(std_io) })
+    }
+    fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()> {
+        Box::pin(async move { KVStoreSync::remove(&self.0, p, s, k, false).map_err(std_io) })
+    }
+    fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
+        Box::pin(async move { KVStoreSync::list(&self.0, p, s).map_err(std_io) })
+    }
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut> {
+        Box::pin(async move {
+            let page =
+                PaginatedKVStoreSync::list_paginated(&self.0, p, s, token.map(PageToken::new))
+                    .map_err(std_io)?;
+            Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
+        })
+    }
+    fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>> {
+        Box::pin(async move { MigratableKVStoreSync::list_all_keys(&self.0).map_err(std_io) })
+    }
+    fn page_size(&self) -> usize {
+        PAGE
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_async_traits_multi_thread_runtime() {
+    let store = LdkStore::open_async(common::builder(&common::table("ldka")).page_size(PAGE))
+        .await
+        .unwrap();
+    let store = Arc::new(store);
+    common::within("conformance", check_all(&LdkAsync(Arc::clone(&store)))).await;
+    store.close_async().await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn conformance_async_traits_current_thread_runtime() {
+    let store = LdkStore::open_async(common::builder(&common::table("ldkact")).page_size(PAGE))
+        .await
+        .unwrap();
+    let store = Arc::new(store);
+    common::within("conformance", check_all(&LdkAsync(Arc::clone(&store)))).await;
+    drop(store); // The last handle, dropped inside a current-thread runtime.
+}
+
+/// Opens with the blocking `open`, runs the suite through the sync traits, drops the store, all
+/// in `place`; then checks that the lease was given back.
+fn sync_conformance_in(place: Where) {
+    let table = common::table("ldks");
+    let t = table.clone();
+    run_in(place, "LDK sync conformance", move || async move {
+        let store = LdkStore::open(common::builder(&t).page_size(PAGE)).expect("open");
+        check_all(&LdkSync(store.clone())).await;
+        drop(store);
+    });
+    guarded("reopen", move || LdkStore::open(common::builder(&table)).unwrap().close().unwrap());
+}
+
+#[test]
+fn conformance_sync_traits_plain_thread() {
+    sync_conformance_in(Where::PlainThread);
+}
+
+#[test]
+fn conformance_sync_traits_inside_multi_thread_runtime() {
+    sync_conformance_in(Where::MultiThreadRuntime);
+}
+
+#[test]
+fn conformance_sync_traits_inside_current_thread_runtime() {
+    sync_conformance_in(Where::CurrentThreadRuntime);
+}
+
+/// The common shape of an LDK node: async start-up in a current-thread runtime, then LDK calls
+/// the sync traits from code running on that same runtime's only thread. Every connection of
+/// the store must belong to the store's own runtime, or this deadlocks.
+#[test]
+fn opened_async_then_used_sync_on_the_same_current_thread_runtime() {
+    run_in(Where::CurrentThreadRuntime, "async open, sync use", || async {
+        let builder = common::builder(&common::table("ldkmixed")).pool_size(2);
+        let store = LdkStore::open_async(builder).await.unwrap();
+        for i in 0..10u8 {
+            KVStoreSync::write(&store, "mixed", "", &format!("k{i}"), vec![i]).unwrap();
+            assert_eq!(KVStoreSync::read(&store, "mixed", "", &format!("k{i}")).unwrap(), vec![i]);
+            let async_read = KVStore::read(&store, "mixed", "", &format!("k{i}"));
+            assert_eq!(async_read.await.unwrap(), vec![i]);
+        }
+        assert_eq!(KVStoreSync::list(&store, "mixed", "").unwrap().len(), 10);
+        store.close_async().await.unwrap();
+    });
+}
+
+/// LDK's `KVStoreSyncWrapper` turns our sync impl into an async store that blocks inside
+/// `poll`: the way LDK itself calls sync persistence from async code. Interleaved with a task
+/// of the same current-thread runtime that must keep running between the calls.
+#[test]
+fn sync_store_wrapped_for_async_ldk_code_in_a_current_thread_runtime() {
+    run_in(Where::CurrentThreadRuntime, "wrapper", || async {
+        let store = Arc::new(LdkStore::open(common::builder(&common::table("ldkwrap"))).unwrap());
+        let wrapped = KVStoreSyncWrapper(Arc::clone(&store));
+        let ticker = tokio::spawn(async {
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        for i in 0..20u8 {
+            KVStore::write(&wrapped, "wrap", "", &format!("k{i}"), vec![i]).await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(KVStore::list(&wrapped, "wrap", "").await.unwrap().len(), 20);
+        assert_eq!(KVStore::read(&wrapped, "wrap", "", "k7").await.unwrap(), vec![7]);
+        common::within("ticker", ticker).await.unwrap();
+        store.close().unwrap();
+    });
+}
+
+/// Async `write`/`remove` take effect in the order they were called, whatever order their
+/// futures are awaited in (LDK's `KVStore::write` contract).
+#[tokio::test(flavor = "current_thread")]
+async fn async_writes_take_effect_in_call_order() {
+    let store = LdkStore::open_async(common::builder(&common::table("ldkorder"))).await.unwrap();
+
+    // Two writes, awaited last-called first.
+    let first = KVStore::write(&store, "ord", "", "k", b"first".to_vec());
+    let second = KVStore::write(&store, "ord", "", "k", b"second".to_vec());
+    common::within("second", second).await.unwrap();
+    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"second");
+    common::within("first", first).await.unwrap();
+    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"second");
+
+    // Many calls to one key, awaited in reverse: the last call wins.
+    let futures: Vec<_> =
+        (0..30u8).map(|i| KVStore::write(&store, "ord", "", "many", vec![i])).collect();
+    for fut in futures.into_iter().rev() {
+        common::within("write", fut).await.unwrap();
+    }
+    assert_eq!(KVStore::read(&store, "ord", "", "many").await.unwrap(), vec![29]);
+
+    // A remove called before a write does not undo it; one called after it does.
+    let remove = KVStore::remove(&store, "ord", "", "k", true);
+    let write = KVStore::write(&store, "ord", "", "k", b"third".to_vec());
+    common::within("write", write).await.unwrap();
+    common::within("remove", remove).await.unwrap();
+    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"third");
+    let write = KVStore::write(&store, "ord", "", "k", b"fourth".to_vec());
+    let remove = KVStore::remove(&store, "ord", "", "k", false);
+    common::within("remove", remove).await.unwrap();
+    common::within("write", write).await.unwrap();
+    let e = KVStore::read(&store, "ord", "", "k").await.unwrap_err();
+    assert_eq!(e.kind(), lightning::io::ErrorKind::NotFound);
+
+    store.close_async().await.unwrap();
+}
+
+/// A write whose future is dropped unpolled still runs, and keeps the store's runtime alive
+/// after the last handle is gone; dropping everything inside a runtime never panics.
+#[tokio::test(flavor = "current_thread")]
+async fn dropped_async_write_still_lands() {
+    let table = common::table("ldkdetach");
+    let store = LdkStore::open_async(common::builder(&table)).await.unwrap();
+    drop(KVStore::write(&store, "det", "", "k", b"detached".to_vec()));
+    let later = KVStore::write(&store, "det", "", "other", b"x".to_vec());
+    drop(store); // Last handle gone while the detached write may still be running.
+    common::within("later", later).await.unwrap();
+    // The lease is released once the outstanding operations finish; then a successor opens.
+    let next = common::within("reopen", async {
+        loop {
+            match LdkStore::open_async(common::builder(&table)).await {
+                Ok(next) => break next,
+                Err(e) if e.is_lease_held() => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(KVStore::read(&next, "det", "", "k").await.unwrap(), b"detached");
+    next.close_async().await.unwrap();
+}
+
+#[test]
+fn error_kinds_through_the_ldk_traits() {
+    guarded("error kinds", || {
+        let table = common::table("ldkerr");
+        let store = LdkStore::open(common::builder(&table)).unwrap();
+
+        let e = KVStoreSync::read(&store, "p", "", "missing").unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::NotFound);
+        let e = KVStoreSync::write(&store, "p", "", "no/slash", vec![]).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::InvalidInput);
+        let e = KVStoreSync::write(&store, "p", "", &"k".repeat(121), vec![]).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::InvalidInput);
+        // Removing a missing key is Ok; listing an unknown namespace is empty.
+        KVStoreSync::remove(&store, "p", "", "missing", false).unwrap();
+        assert!(KVStoreSync::list(&store, "unknown", "ns").unwrap().is_empty());
+        let page = PaginatedKVStoreSync::list_paginated(&store, "unknown", "ns", None).unwrap();
+        assert!(page.keys.is_empty() && page.next_page_token.is_none());
+
+        // A second store on the same table: lease held, AlreadyExists.
+        let e = LdkStore::open(common::builder(&table)).unwrap_err();
+        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::AlreadyExists);
+
+        // Lease lost: PermissionDenied, sync and async alike, with the pgfence error inside.
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let admin = common::admin().await;
+            common::steal_lease(&admin, &table).await;
+        });
+        let e = KVStoreSync::write(&store, "p", "", "k", vec![1]).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
+        let inner = e.get_ref().and_then(|e| e.downcast_ref::<pgfence::Error>());
+        assert!(inner.is_some_and(pgfence::Error::is_lease_lost), "{e:?}");
+        let e = runtime.block_on(KVStore::write(&store, "p", "", "k", vec![2])).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
+        let e = KVStoreSync::read(&store, "p", "", "k").unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
+        drop(runtime);
+        drop(store);
+    });
+}
+
+/// Removes a directory tree when dropped, also when the test panics.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(prefix: &str) -> TempDir {
+        let path = std::env::temp_dir().join(pgfence::testing::unique_name(prefix));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Everything in a store, read through `MigratableKVStoreSync` and `KVStoreSync`.
+fn contents<S: MigratableKVStoreSync>(store: &S) -> BTreeMap<(String, String, String), Vec<u8>> {
+    let keys = store.list_all_keys().unwrap();
+    let n = keys.len();
+    let map: BTreeMap<_, _> = keys
+        .into_iter()
+        .map(|(p, s, k)| {
+            let value = store.read(&p, &s, &k).unwrap();
+            ((p, s, k), value)
+        })
+        .collect();
+    assert_eq!(map.len(), n, "list_all_keys returned no duplicates");
+    map
+}
+
+/// LDK's own migration helper, FilesystemStore → PgKvStore → fresh FilesystemStore, with a few
+/// thousand keys across the namespaces an LDK node uses; every key and value compared.
+#[test]
+fn migration_round_trip_through_filesystem_stores() {
+    guarded("migration", || {
+        let (dir_a, dir_b) = (TempDir::new("ldkfs-a"), TempDir::new("ldkfs-b"));
+        let mut source = FilesystemStore::new(dir_a.0.clone());
+        let mut value_seed: u32 = 7;
+        let mut value = |len: usize| -> Vec<u8> {
+            (0..len)
+                .map(|_| {
+                    value_seed = value_seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                    (value_seed >> 16) as u8
+                })
+                .collect()
+        };
+        let mut written = 0;
+        KVStoreSync::write(&source, "", "", "manager", value(40_000)).unwrap();
+        KVStoreSync::write(&source, "", "", "network_graph", value(100_000)).unwrap();
+        KVStoreSync::write(&source, "", "", "scorer", Vec::new()).unwrap();
+        written += 3;
+        for i in 0..600 {
+            KVStoreSync::write(
+                &source,
+                "monitors",
+                "",
+                &format!("{i:064x}_{}", i % 3),
+                value(i % 900),
+            )
+            .unwrap();
+            written += 1;
+        }
+        for chan in 0..24 {
+            for update in 0..100 {
+                let ns = format!("{chan:064x}_0");
+                KVStoreSync::write(&source, "monitor_updates", &ns, &update.to_string(), value(64))
+                    .unwrap();
+                written += 1;
+            }
+        }
+        for i in 0..200 {
+            KVStoreSync::write(&source, "archived_monitors", "", &format!("arch-{i}"), value(300))
+                .unwrap();
+            KVStoreSync::write(&source, "payments", "outbound", &format!("p_{i}"), value(i))
+                .unwrap();
+            written += 2;
+        }
+        assert!(written >= 3000, "{written}");
+        let original = contents(&source);
+        assert_eq!(original.len(), written, "the filesystem store holds every key");
+
+        let table = common::table("ldkmig");
+        let mut pg = LdkStore::open(common::builder(&table)).unwrap();
+        migrate_kv_store_data(&mut source, &mut pg).expect("filesystem -> pgfence");
+        assert_eq!(contents(&pg), original, "pgfence holds every key and value");
+
+        let mut target = FilesystemStore::new(dir_b.0.clone());
+        migrate_kv_store_data(&mut pg, &mut target).expect("pgfence -> filesystem");
+        let round_tripped = contents(&target);
+        assert_eq!(round_tripped.len(), original.len());
+        for (key, value) in &original {
+            assert!(round_tripped.get(key) == Some(value), "{key:?} survives the round trip");
+        }
+        pg.close().unwrap();
+    });
+}
+
+/// A standby LDK node, waiting in `open_standby_async`, takes over when the active node drops
+/// its store, and reads what the active node persisted.
+#[tokio::test(flavor = "current_thread")]
+async fn standby_node_takes_over_when_the_active_node_stops() {
+    let table = common::table("ldkstandby");
+    let active = LdkStore::open_async(common::builder(&table)).await.unwrap();
+    KVStore::write(&active, "", "", "manager", b"state".to_vec()).await.unwrap();
+    let standby = tokio::spawn(LdkStore::open_standby_async(
+        common::builder(&table).standby().timeout(common::HANG_GUARD),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!standby.is_finished(), "the standby waits while the lease is held");
+    let epoch = active.fencing_token();
+    drop(active); // The active node stops; dropping releases the lease.
+    let successor = common::within("standby", standby).await.unwrap().unwrap();
+    assert!(successor.fencing_token() > epoch);
+    assert_eq!(KVStore::read(&successor, "", "", "manager").await.unwrap(), b"state");
+    successor.close_async().await.unwrap();
+}
+
+/// A standby whose future is dropped stops waiting: it does not take the lease later.
+#[tokio::test(flavor = "current_thread")]
+async fn dropped_standby_leaves_nothing_waiting() {
+    let table = common::table("ldkstandbydrop");
+    let active = LdkStore::open_async(common::builder(&table)).await.unwrap();
+    let epoch = active.fencing_token();
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        LdkStore::open_standby_async(common::builder(&table).standby()),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the standby waits while the lease is held");
+    active.close_async().await.unwrap();
+    // A standby still waiting would be woken by the release and take the lease now.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let next = LdkStore::open_async(common::builder(&table)).await.expect("no one holds the lease");
+    // Epochs count acquisitions: a standby that took the lease (and dropped it) would show here.
+    assert_eq!(next.fencing_token(), epoch + 1, "nobody acquired the lease in between");
+    next.close_async().await.unwrap();
+}
