@@ -55,7 +55,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let value = b.read("channels", "chan-1", "state").await?;
     println!("   B reads chan-1/state = {:?}.", String::from_utf8(value)?);
 
-    println!("\n4. B's process freezes for longer than its TTL (simulated: its lease expires in the");
+    println!(
+        "\n4. B's process freezes for longer than its TTL (simulated: its lease expires in the"
+    );
     println!("   database), and store C takes over while B's handle is still alive.");
     let admin = server.connect().await?;
     admin
@@ -78,7 +80,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("the stale remove must be fenced, got {other:?}").into()),
     }
     match b.read("channels", "chan-1", "state").await {
-        Err(e) if e.is_lease_lost() => println!("   and from now on every call fails closed, reads included."),
+        Err(e) if e.is_lease_lost() => {
+            println!("   and from now on every call fails closed, reads included.")
+        }
         other => return Err(format!("a lost store must fail closed, got {other:?}").into()),
     }
     println!("   B's lease_state: {:?}", *b.lease_state().borrow());
@@ -86,7 +90,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let value = c.read("channels", "chan-1", "state").await?;
     println!("   Nothing B tried was written: chan-1/state = {:?}.", String::from_utf8(value)?);
     let info = c.lease_info().await?.ok_or("lease row")?;
-    println!("   Dropping B left C's lease alone: held by {:?}, epoch {}.", info.holder, info.epoch);
+    println!(
+        "   Dropping B left C's lease alone: held by {:?}, epoch {}.",
+        info.holder, info.epoch
+    );
 
     c.close().await?;
     println!("\n6. C closed and released the lease. Done.");

@@ -62,7 +62,11 @@ pub struct Standby {
 impl Builder {
     /// A standby for this configuration: see [`Standby`].
     pub fn standby(self) -> Standby {
-        Standby { builder: self, timeout: None, progress: watch::Sender::new(StandbyState::Starting) }
+        Standby {
+            builder: self,
+            timeout: None,
+            progress: watch::Sender::new(StandbyState::Starting),
+        }
     }
 
     /// Waits, without limit, until the lease can be taken, then opens the store. Shorthand for
@@ -114,7 +118,8 @@ impl Standby {
             }
             let wait = match self.builder.clone().open().await {
                 Ok(store) => {
-                    self.progress.send_replace(StandbyState::Acquired { epoch: store.fencing_token() });
+                    self.progress
+                        .send_replace(StandbyState::Acquired { epoch: store.fencing_token() });
                     return Ok(store);
                 }
                 Err(Error::LeaseHeld { holder, epoch, expires_in, .. }) => {
@@ -162,7 +167,9 @@ impl Listener {
             // A connection's notifications arrive only through poll_message; the plain
             // `Connection` future would drop them.
             let task = tokio::spawn(async move {
-                while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                while let Some(message) =
+                    std::future::poll_fn(|cx| connection.poll_message(cx)).await
+                {
                     match message {
                         Ok(AsyncMessage::Notification(_)) => {
                             let _ = tx.send(()); // The standby may be gone; nothing to do.
@@ -233,7 +240,9 @@ impl Inspector {
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
         let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
         match schema::lease_info(&**client, &self.statements).await {
-            Err(Error::Database { source, .. }) if source.code() == Some(&SqlState::UNDEFINED_TABLE) => {
+            Err(Error::Database { source, .. })
+                if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
+            {
                 Ok(None)
             }
             other => other,
@@ -241,7 +250,12 @@ impl Inspector {
     }
 
     /// Reads a value; [`Error::NotFound`] if absent.
-    pub async fn read(&self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Result<Vec<u8>> {
+    pub async fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<Vec<u8>> {
         check_key(primary_namespace, secondary_namespace, key)?;
         let rows = self
             .query("read", &self.statements.read, &[&primary_namespace, &secondary_namespace, &key])
@@ -258,16 +272,26 @@ impl Inspector {
     }
 
     /// Keys of a namespace pair, sorted.
-    pub async fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> Result<Vec<String>> {
+    pub async fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> Result<Vec<String>> {
         check_namespaces(primary_namespace, secondary_namespace)?;
-        let rows = self.query("list", &self.statements.list, &[&primary_namespace, &secondary_namespace]).await?;
+        let rows = self
+            .query("list", &self.statements.list, &[&primary_namespace, &secondary_namespace])
+            .await?;
         Ok(rows.unwrap_or_default().iter().map(|row| row.get(0)).collect())
     }
 
     /// Every key as `(primary_namespace, secondary_namespace, key)`, sorted.
     pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
         let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
-        Ok(rows.unwrap_or_default().iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
+        Ok(rows
+            .unwrap_or_default()
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect())
     }
 
     /// Break-glass: expires the lease whoever holds it, so another store can take it at once,

@@ -521,7 +521,9 @@ impl Builder {
         let config = match &self.source {
             Source::Config(_) => self.connection_config().expect("a config source"),
             Source::Pool(pool) => return Ok(pool.clone()),
-            Source::Invalid(reason) => return Err(Error::config("connection string", reason.clone())),
+            Source::Invalid(reason) => {
+                return Err(Error::config("connection string", reason.clone()));
+            }
         };
         let manager = Manager::from_config(
             config,

@@ -66,9 +66,8 @@ async fn crashed_holder_is_taken_over_after_expiry() {
     .await
     .unwrap();
     let started = Instant::now();
-    let store = within("takeover", standby_builder(&t, "standby").open_when_available())
-        .await
-        .unwrap();
+    let store =
+        within("takeover", standby_builder(&t, "standby").open_when_available()).await.unwrap();
     let took = started.elapsed();
     println!("crash takeover after {took:?} (lease had 2 s left)");
     assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
@@ -111,7 +110,9 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     let standby = standby_builder(&t, &app).standby();
     let mut progress = standby.progress();
     let waiting = tokio::spawn(standby.open());
-    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. }))).await.unwrap();
+    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
     assert!(sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
     waiting.abort();
     assert!(waiting.await.unwrap_err().is_cancelled());
@@ -134,7 +135,9 @@ async fn standby_survives_losing_its_listen_connection() {
     let standby = standby_builder(&t, &app).standby();
     let mut progress = standby.progress();
     let waiting = tokio::spawn(standby.open());
-    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. }))).await.unwrap();
+    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
     let killed: i64 = admin()
         .await
         .query_one(

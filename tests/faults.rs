@@ -38,7 +38,10 @@ fn spawn_writers(
         .collect()
 }
 
-async fn check_acknowledged(store: &PgKvStore, writers: Vec<tokio::task::JoinHandle<(String, u64)>>) {
+async fn check_acknowledged(
+    store: &PgKvStore,
+    writers: Vec<tokio::task::JoinHandle<(String, u64)>>,
+) {
     let mut acked = HashMap::new();
     for w in writers {
         let (key, n) = within("writer", w).await.unwrap();

@@ -22,7 +22,9 @@ async fn table_count() -> i64 {
 async fn invalid_table_names_are_rejected_before_any_sql() {
     let long = "t".repeat(49);
     let injection = format!("{}\"; DROP TABLE y; --", table("inj"));
-    for name in ["", "a.b.c", ".t", "t.", "1t", "t-1", "t t", "é", long.as_str(), injection.as_str()] {
+    for name in
+        ["", "a.b.c", ".t", "t.", "1t", "t-1", "t t", "é", long.as_str(), injection.as_str()]
+    {
         let e = builder(name).open().await.unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { field: "table", .. }), "{name:?}: {e:?}");
         assert_eq!(std::io::Error::from(e).kind(), ErrorKind::InvalidInput);
@@ -46,8 +48,14 @@ async fn quote_injection_in_the_table_name_is_harmless() {
 async fn inconsistent_timings_and_sizes_are_rejected() {
     let t = table("cfg");
     let cases: Vec<(pgfence::Builder, &str)> = vec![
-        (builder(&t).lease_ttl(Duration::from_secs(10)).renew_interval(Duration::from_secs(10)), "renew_interval"),
-        (builder(&t).lease_ttl(Duration::from_secs(3)).renew_interval(Duration::from_secs(5)), "renew_interval"),
+        (
+            builder(&t).lease_ttl(Duration::from_secs(10)).renew_interval(Duration::from_secs(10)),
+            "renew_interval",
+        ),
+        (
+            builder(&t).lease_ttl(Duration::from_secs(3)).renew_interval(Duration::from_secs(5)),
+            "renew_interval",
+        ),
         (builder(&t).renew_interval(Duration::ZERO), "renew_interval"),
         (builder(&t).lease_ttl(Duration::ZERO), "lease_ttl"),
         (builder(&t).local_deadline(Duration::from_secs(20)), "local_deadline"),
@@ -94,16 +102,16 @@ async fn wrong_password_is_a_typed_error_that_never_shows_the_password() {
     let server = common::server();
     server.ensure_password_role().await.unwrap();
     let secret = "wrong-secret-5f2c";
-    let url = format!(
-        "postgres://{PASSWORD_ROLE}:{secret}@127.0.0.1:{}/postgres",
-        server.port()
-    );
+    let url = format!("postgres://{PASSWORD_ROLE}:{secret}@127.0.0.1:{}/postgres", server.port());
     let b = PgKvStore::builder(&url).table(table("pw"));
     assert!(!format!("{b:?}").contains(secret), "Debug of the builder hides the password");
     let e = b.open().await.unwrap_err();
     assert!(matches!(e, Error::Pool { .. }), "{e:?}");
     assert!(!e.is_retryable(), "a wrong password will not fix itself");
-    let shown = format!("{e} {e:?} {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+    let shown = format!(
+        "{e} {e:?} {}",
+        std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()
+    );
     assert!(!shown.contains(secret), "errors never show the password: {shown}");
     // The right password works: the error above really was the password.
     let url = format!(

@@ -313,9 +313,7 @@ async fn in_flight_write_fences_the_takeover() {
     // Hold the KV row so the next write blocks inside its statement, after the lease check.
     let mut blocker = admin().await;
     let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[])
-        .await
-        .unwrap();
+    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
     let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
     wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
 
