@@ -153,7 +153,8 @@ impl Builder {
     }
 
     /// How long dropping the last handle (and outstanding operation) of a store waits for the
-    /// lease release (default 5 s). Dropping never waits longer and never panics.
+    /// lease release, and how long [`crate::PgKvStore::close`] waits for running operations
+    /// before releasing anyway (default 5 s). Dropping never waits longer and never panics.
     pub fn drop_timeout(mut self, timeout: Duration) -> Self {
         self.drop_timeout = timeout;
         self
@@ -173,14 +174,19 @@ impl Builder {
     }
 
     /// The connection configuration every connection of the store uses, with pgfence's
-    /// defaults filled in where the caller set nothing: the connect timeout, and an
-    /// `application_name` of `pgfence <app>` so operators can find the store's sessions.
-    /// `None` for a pool source.
+    /// defaults filled in where the caller set nothing: the connect timeout; a TCP user timeout
+    /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
+    /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
+    /// timeout of many minutes; and an `application_name` of `pgfence <app>` so operators can
+    /// find the store's sessions. `None` for a pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
         let Source::Config(config) = &self.source else { return None };
         let mut config = (**config).clone();
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(self.connect_timeout);
+        }
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(self.lease_ttl);
         }
         if config.get_application_name().is_none() {
             config.application_name(format!("pgfence {}", self.application_name));

@@ -22,7 +22,7 @@ pub enum Error {
     LeaseHeld {
         /// The table whose lease is held.
         table: String,
-        /// Who holds it, as the holder described itself (`host pid app owner-id`).
+        /// Who holds it, as the holder described itself: `app pid@host`.
         holder: String,
         /// The holder's fencing token.
         epoch: i64,
@@ -142,6 +142,10 @@ pub enum LossReason {
     /// Renewal could not be confirmed before the local deadline, which comes before the
     /// database-side expiry.
     DeadlinePassed,
+    /// A connection broke under a write and the server session that may still commit it
+    /// could not be confirmed ended: the store stops rather than risk that write landing after
+    /// a later call of the same key.
+    WriteOutcomeUnknown,
 }
 
 impl fmt::Display for LossReason {
@@ -151,6 +155,9 @@ impl fmt::Display for LossReason {
             LossReason::TakenOver => "renewal found the lease owned by another store",
             LossReason::DeadlinePassed => {
                 "renewal not confirmed before the local deadline (fail closed before DB expiry)"
+            }
+            LossReason::WriteOutcomeUnknown => {
+                "a write's outcome could not be resolved after its connection broke"
             }
         })
     }

@@ -6,7 +6,7 @@
 //! current-thread runtime would otherwise deadlock on its own I/O).
 
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_postgres::NoTls;
@@ -48,8 +48,11 @@ pub(crate) struct Lease {
     deadline_after: Duration,
     /// The local deadline: the start of the last confirmed renewal (or acquisition) plus
     /// `deadline_after`. The database's expiry is later than this, since the statement that set
-    /// it started after that instant and added the full TTL.
-    deadline: Mutex<Instant>,
+    /// it started after that instant and added the full TTL. Kept on two clocks: the monotonic
+    /// clock does not advance while the machine is suspended (a resumed laptop or VM would
+    /// trust a long-expired lease), the wall clock does but may be set back; the deadline has
+    /// passed when either says so.
+    deadline: Mutex<(Instant, SystemTime)>,
     lost: OnceLock<LossReason>,
     state: watch::Sender<LeaseState>,
     policy: LeaseLossPolicy,
@@ -60,7 +63,7 @@ impl Lease {
         owner_id: Uuid,
         epoch: i64,
         table: String,
-        acquire_started: Instant,
+        acquire_started: (Instant, SystemTime),
         deadline_after: Duration,
         policy: LeaseLossPolicy,
     ) -> Lease {
@@ -69,7 +72,7 @@ impl Lease {
             epoch,
             table,
             deadline_after,
-            deadline: Mutex::new(acquire_started + deadline_after),
+            deadline: Mutex::new((acquire_started.0 + deadline_after, acquire_started.1 + deadline_after)),
             lost: OnceLock::new(),
             state: watch::Sender::new(LeaseState::Held { epoch }),
             policy,
@@ -80,8 +83,12 @@ impl Lease {
         self.state.subscribe()
     }
 
-    fn deadline(&self) -> Instant {
-        *self.deadline.lock().unwrap_or_else(|e| e.into_inner())
+    /// Time left until the local deadline; zero once it has passed on either clock.
+    fn remaining(&self) -> Duration {
+        let (instant, system) = *self.deadline.lock().unwrap_or_else(|e| e.into_inner());
+        let by_instant = instant.saturating_duration_since(Instant::now());
+        let by_system = system.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+        by_instant.min(by_system)
     }
 
     /// Ok while the lease is neither lost nor past its local deadline. Every operation calls
@@ -90,7 +97,7 @@ impl Lease {
         if let Some(reason) = self.lost.get() {
             return Err(self.fail(reason.clone()));
         }
-        if Instant::now() >= self.deadline() {
+        if self.remaining().is_zero() {
             return Err(self.fail(LossReason::DeadlinePassed));
         }
         Ok(())
@@ -100,14 +107,24 @@ impl Lease {
         self.lost.get().is_some()
     }
 
-    /// Marks the lease lost (the first reason wins, and is logged and published once), applies
-    /// the loss policy and returns the error to hand to the caller.
-    pub(crate) fn fail(&self, reason: LossReason) -> Error {
+    /// Marks the lease lost: the first reason wins, and is logged and published once.
+    fn lose(&self, reason: LossReason) {
         if self.lost.set(reason).is_ok() {
             let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
             tracing::error!(table = %self.table, epoch = self.epoch, %reason, "pgfence lease lost");
             self.state.send_replace(LeaseState::Lost { epoch: self.epoch, reason });
         }
+    }
+
+    /// Marks the lease lost, applies the loss policy and returns the error to hand to the
+    /// caller.
+    pub(crate) fn fail(&self, reason: LossReason) -> Error {
+        self.lose(reason);
+        self.enforce_policy()
+    }
+
+    /// The `LeaseLost` error, after the policy's panic or abort if it has one.
+    fn enforce_policy(&self) -> Error {
         let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
         let error = Error::LeaseLost { epoch: self.epoch, reason };
         match self.policy {
@@ -122,11 +139,11 @@ impl Lease {
     }
 
     /// A renewal that started at `started` was confirmed by the database.
-    fn confirmed(&self, started: Instant) {
+    fn confirmed(&self, started: (Instant, SystemTime)) {
         // Never revive a lost lease: loss is permanent even if a late renewal succeeds.
         if !self.is_lost() {
             *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) =
-                started + self.deadline_after;
+                (started.0 + self.deadline_after, started.1 + self.deadline_after);
         }
     }
 
@@ -271,9 +288,14 @@ impl Keeper {
 /// confirmed renewal; a failed attempt is retried about every second until the local deadline,
 /// where the lease is declared lost. Missed ticks are skipped, never burst (sleeping until a
 /// computed instant, rather than a default tokio `interval`, gives exactly that).
+///
+/// When renewal finds the lease lost it releases at once (by owner id: harmless if the lease
+/// is already someone else's, and a standby need not wait out the TTL when it is not), then
+/// applies the loss policy, then waits for the store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
     let retry_every = config.renew_interval.min(Duration::from_secs(1));
     let mut session: Option<Session> = None;
+    let mut released = false;
     let mut next = Instant::now() + config.renew_interval;
     let reply = loop {
         let wake = if lease.is_lost() { None } else { Some(next) };
@@ -282,55 +304,78 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
             reply = stop.recv() => break reply,
             _ = sleep_until(wake) => {}
         }
-        let started = Instant::now();
-        let left = lease.deadline().saturating_duration_since(started);
-        if left.is_zero() {
-            let _ = lease.fail(LossReason::DeadlinePassed);
-            continue;
-        }
-        let attempt = config.renew_interval.min(left);
-        let outcome = tokio::select! {
-            biased;
-            reply = stop.recv() => break reply,
-            outcome = tokio::time::timeout(attempt, renew(&config, &lease, &mut session)) => outcome,
+        let started = (Instant::now(), SystemTime::now());
+        let left = lease.remaining();
+        let lost = if left.is_zero() {
+            Some(LossReason::DeadlinePassed)
+        } else {
+            let attempt = config.renew_interval.min(left);
+            let outcome = tokio::select! {
+                biased;
+                reply = stop.recv() => break reply,
+                outcome = tokio::time::timeout(attempt, renew(&config, &lease, &mut session)) => outcome,
+            };
+            match outcome {
+                Ok(Ok(true)) => {
+                    lease.confirmed(started);
+                    tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
+                    next = started.0 + config.renew_interval;
+                    None
+                }
+                Ok(Ok(false)) => Some(LossReason::TakenOver),
+                Ok(Err(error)) => {
+                    session = None; // Reconnect next time; the old connection may be broken.
+                    tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                        "pgfence lease renewal failed; retrying until the local deadline");
+                    next = Instant::now() + retry_every;
+                    None
+                }
+                Err(_) => {
+                    session = None;
+                    tracing::warn!(table = %lease.table, epoch = lease.epoch, ?attempt,
+                        "pgfence lease renewal timed out; retrying until the local deadline");
+                    next = Instant::now() + retry_every;
+                    None
+                }
+            }
         };
-        match outcome {
-            Ok(Ok(true)) => {
-                lease.confirmed(started);
-                tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
-                next = started + config.renew_interval;
-            }
-            Ok(Ok(false)) => {
-                let _ = lease.fail(LossReason::TakenOver);
-            }
-            Ok(Err(error)) => {
-                session = None; // Reconnect next time; the old connection may be broken.
-                tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
-                    "pgfence lease renewal failed; retrying until the local deadline");
-                next = Instant::now() + retry_every;
-            }
-            Err(_) => {
-                session = None;
-                tracing::warn!(table = %lease.table, epoch = lease.epoch, ?attempt,
-                    "pgfence lease renewal timed out; retrying until the local deadline");
-                next = Instant::now() + retry_every;
-            }
+        if let Some(reason) = lost {
+            lease.lose(reason);
+            let quick = config.release_timeout.min(Duration::from_secs(2));
+            released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+            let _ = lease.enforce_policy(); // Panic or Abort end here; FailClosed goes on.
         }
     };
-    // Released by owner id, so this is safe even after a loss: it can only ever expire our own
-    // row, never a successor's. `None`: every handle is gone without asking; release all the same.
-    let result =
-        tokio::time::timeout(config.release_timeout, release(&config, &lease, &mut session))
-            .await
-            .unwrap_or(Err(Error::Timeout { operation: "release", after: config.release_timeout }));
-    match &result {
-        Ok(()) => lease.released(),
-        Err(e) => tracing::error!(table = %lease.table, epoch = lease.epoch, error = %e,
-            "pgfence lease release failed; the lease expires by TTL"),
+    // `None`: every handle is gone without asking; release all the same.
+    let result = if released {
+        Ok(())
+    } else {
+        release_within(&config, &lease, &mut session, config.release_timeout).await
+    };
+    if result.is_ok() {
+        lease.released();
     }
     if let Some(reply) = reply {
         reply(result);
     }
+}
+
+/// Releases by owner id, so this is safe even after a loss: it can only ever expire our own
+/// row, never a successor's.
+async fn release_within(
+    config: &KeeperConfig,
+    lease: &Lease,
+    session: &mut Option<Session>,
+    limit: Duration,
+) -> Result<()> {
+    let result = tokio::time::timeout(limit, release(config, lease, session))
+        .await
+        .unwrap_or(Err(Error::Timeout { operation: "release", after: limit }));
+    if let Err(e) = &result {
+        tracing::error!(table = %lease.table, epoch = lease.epoch, error = %e,
+            "pgfence lease release failed; the lease expires by TTL");
+    }
+    result
 }
 
 async fn sleep_until(when: Option<Instant>) {

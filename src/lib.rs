@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
 
+mod batch;
 mod config;
 mod error;
 mod failover;
@@ -18,6 +19,7 @@ pub mod ldk;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use batch::Batch;
 pub use config::{Builder, LeaseLossPolicy};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;

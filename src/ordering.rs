@@ -17,17 +17,20 @@ use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
 use crate::error::KeyPath;
 
-/// The versions and locks of keys with mutations in flight. Entries are removed when the last
-/// ticket of a key is dropped, so the map only holds keys currently being mutated.
+/// The versions and locks of keys with mutations in flight. An entry lives while tickets of
+/// its key exist: counted explicitly under the map lock (not with `Arc::strong_count`, which
+/// changes outside it), so concurrent drops can never leave an entry behind.
 #[derive(Debug, Default)]
 pub(crate) struct KeyOrder {
-    slots: Mutex<HashMap<KeyPath, Arc<Slot>>>,
+    slots: Mutex<HashMap<KeyPath, Slot>>,
 }
 
 #[derive(Debug, Default)]
 struct Slot {
-    /// Next version to hand out. Only touched under the `slots` map lock.
-    next_version: Mutex<u64>,
+    /// The last version handed out.
+    last_version: u64,
+    /// Tickets of this key alive now.
+    tickets: usize,
     /// The highest version applied to the database, guarded by the key's async lock.
     applied: Arc<AsyncMutex<u64>>,
 }
@@ -37,7 +40,7 @@ struct Slot {
 pub(crate) struct Ticket {
     order: Arc<KeyOrder>,
     path: KeyPath,
-    slot: Arc<Slot>,
+    applied: Arc<AsyncMutex<u64>>,
     version: u64,
 }
 
@@ -52,12 +55,12 @@ impl KeyOrder {
     /// Takes the next version of `path`. Synchronous: call it in the method, not in the future.
     pub(crate) fn ticket(self: &Arc<Self>, path: KeyPath) -> Ticket {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = Arc::clone(slots.entry(path.clone()).or_default());
-        let mut next = slot.next_version.lock().unwrap_or_else(|e| e.into_inner());
-        *next += 1;
-        let version = *next;
-        drop(next);
-        Ticket { order: Arc::clone(self), path, slot, version }
+        let slot = slots.entry(path.clone()).or_default();
+        slot.last_version += 1;
+        slot.tickets += 1;
+        let (version, applied) = (slot.last_version, Arc::clone(&slot.applied));
+        drop(slots);
+        Ticket { order: Arc::clone(self), path, applied, version }
     }
 
     #[cfg(test)]
@@ -70,7 +73,7 @@ impl Ticket {
     /// Waits for the key's lock. `None`: a later call of this key has already been applied,
     /// so this one is superseded and must not touch the database.
     pub(crate) async fn turn(&self) -> Option<Turn> {
-        let applied = Arc::clone(&self.slot.applied).lock_owned().await;
+        let applied = Arc::clone(&self.applied).lock_owned().await;
         (*applied < self.version).then_some(Turn { applied, version: self.version })
     }
 
@@ -89,10 +92,11 @@ impl Turn {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut slots = self.order.slots.lock().unwrap_or_else(|e| e.into_inner());
-        // The map holds one reference and this ticket another: no other ticket of this key
-        // exists, and none can be created while we hold the map lock, so the entry can go.
-        if Arc::strong_count(&self.slot) == 2 {
-            slots.remove(&self.path);
+        if let Some(slot) = slots.get_mut(&self.path) {
+            slot.tickets -= 1;
+            if slot.tickets == 0 {
+                slots.remove(&self.path);
+            }
         }
     }
 }
@@ -116,6 +120,28 @@ mod tests {
         assert!(other.turn().await.is_some(), "other keys are independent");
         drop((first, second, other));
         assert_eq!(order.len(), 0, "entries go when the last ticket goes");
+    }
+
+    #[test]
+    fn concurrent_drops_leave_no_entry() {
+        let order = Arc::new(KeyOrder::default());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let order = Arc::clone(&order);
+                std::thread::spawn(move || {
+                    for i in 0..5_000 {
+                        let key = format!("k{}", i % 7);
+                        let a = order.ticket(path(&key));
+                        let b = order.ticket(path(&key));
+                        drop((a, b));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(order.len(), 0);
     }
 
     #[tokio::test]

@@ -1,7 +1,7 @@
 //! The setup transaction: serialize, create or migrate the schema, take the lease; all or
 //! nothing.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
@@ -20,9 +20,9 @@ pub(crate) fn latest_version() -> i32 {
 pub(crate) struct Acquired {
     pub(crate) owner_id: Uuid,
     pub(crate) epoch: i64,
-    /// When the acquiring statement was sent: the local deadline counts from here, which is
-    /// before the database computed the expiry.
-    pub(crate) started: Instant,
+    /// When the acquiring statement was sent, on the monotonic and the wall clock: the local
+    /// deadline counts from here, which is before the database computed the expiry.
+    pub(crate) started: (Instant, SystemTime),
 }
 
 /// Who describes itself in the lease row.
@@ -35,9 +35,11 @@ pub(crate) struct Holder {
 
 /// Runs the whole setup in one transaction: a transaction-scoped advisory lock keyed by the
 /// table serializes concurrent setups (8 stores opening a fresh database at once: one creates
-/// the schema and wins the lease, the others wait, then find the lease held); the schema is
-/// created or migrated; the lease is taken if absent or expired. If the lease is held, or
-/// anything fails, the transaction rolls back: schema changes included.
+/// the schema and wins the lease, the others wait, then find the lease held). A live lease is
+/// detected first, with a plain read that locks nothing, so a standby never runs DDL or takes a
+/// lock that would stall the holder: only the store that is about to own the table migrates
+/// it. Then the schema is created or migrated and the lease taken. If anything fails, the
+/// transaction rolls back: schema changes included.
 pub(crate) async fn setup_and_acquire(
     client: &mut tokio_postgres::Client,
     table: &TableName,
@@ -46,9 +48,20 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired> {
     let tx = client.transaction().await.map_err(Error::db("begin setup"))?;
-    tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.display()])
+    tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
         .await
         .map_err(Error::db("setup lock"))?;
+    let lease_table: Option<String> = tx
+        .query_one(sql::TABLE_EXISTS, &[&table.quoted("_lease")])
+        .await
+        .map_err(Error::db("look for the lease table"))?
+        .get(0);
+    if lease_table.is_some() {
+        if let Some(info) = lease_info(&tx, statements).await?.filter(|info| info.active) {
+            tx.rollback().await.map_err(Error::db("rollback setup"))?;
+            return Err(held(table, info));
+        }
+    }
     if table.schema.is_some() {
         tx.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table))
             .await
@@ -83,15 +96,25 @@ pub(crate) async fn setup_and_acquire(
 
     let owner_id = Uuid::new_v4();
     let ttl_ms = ttl.as_millis() as i64;
-    let started = Instant::now();
+    let started = (Instant::now(), SystemTime::now());
     let rows = tx
         .query(&statements.acquire, &[&owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app])
         .await
         .map_err(Error::db("acquire lease"))?;
     let Some(row) = rows.first() else {
-        let held = held_error(&tx, table, statements).await;
+        // Taken in the moment since the check above (by a renewal racing an expiry, or an
+        // operator): roll everything back, migrations included.
+        let info = lease_info(&tx, statements).await?;
         tx.rollback().await.map_err(Error::db("rollback setup"))?;
-        return Err(held?);
+        return Err(match info {
+            Some(info) => held(table, info),
+            None => Error::LeaseHeld {
+                table: table.display(),
+                holder: "unknown".to_owned(),
+                epoch: 0,
+                expires_in: Duration::ZERO,
+            },
+        });
     };
     let epoch: i64 = row.get(0);
     tx.commit().await.map_err(Error::db("commit setup"))?;
@@ -134,18 +157,13 @@ pub(crate) async fn lease_info(
     }))
 }
 
-async fn held_error(
-    tx: &tokio_postgres::Transaction<'_>,
-    table: &TableName,
-    statements: &Statements,
-) -> Result<Error> {
-    let info = lease_info(tx, statements).await?;
-    let (holder, epoch, expires_in) = match info {
-        Some(info) => (info.holder, info.epoch, info.expires_in),
-        // The upsert found a conflicting row, so it exists; keep a sane answer regardless.
-        None => ("unknown".to_owned(), 0, Duration::ZERO),
-    };
-    Ok(Error::LeaseHeld { table: table.display(), holder, epoch, expires_in })
+fn held(table: &TableName, info: LeaseInfo) -> Error {
+    Error::LeaseHeld {
+        table: table.display(),
+        holder: info.holder,
+        epoch: info.epoch,
+        expires_in: info.expires_in,
+    }
 }
 
 /// Creates the database named in `config` when it does not exist (connecting to the

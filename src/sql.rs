@@ -16,8 +16,13 @@ pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 
 /// Serializes concurrent setups of one table. Transaction-scoped: released at commit or
 /// rollback, on the connection that took it, so it is safe on a pooled connection (a
-/// session-scoped lock is not: see the design notes).
-pub(crate) const SETUP_LOCK: &str = "SELECT pg_advisory_xact_lock($1::int, hashtext($2::text))";
+/// session-scoped lock is not: see the design notes). `$2` is the schema (NULL: the schema an
+/// unqualified name is created in), so `t` and `public.t` take the same lock.
+pub(crate) const SETUP_LOCK: &str = r#"
+SELECT pg_advisory_xact_lock($1::int, hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
+
+/// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
+pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 
 pub(crate) const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
 
@@ -32,24 +37,38 @@ pub(crate) const SCHEMA_VERSION: &str = "SELECT coalesce(max(version), 0) FROM {
 pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES ($1)";
 
 /// Takes the lease if the row is absent or expired; returns the new epoch, or no row when the
-/// lease is held. Changing `owner_id` (a key column) takes a FOR UPDATE row lock, so this waits
-/// for every in-flight mutation of the previous owner (FOR KEY SHARE) to commit: the fence.
-/// The WHERE and the new expiry are evaluated after that wait, against the latest row.
+/// lease is held.
+///
+/// Two steps in one statement, sharing one snapshot: `created` inserts the row if there is none
+/// (`DO NOTHING` never locks an existing row); otherwise `taken` updates it if expired. A plain
+/// UPDATE locks only rows that pass its WHERE, so a failed attempt leaves the holder's row
+/// unlocked. (`ON CONFLICT DO UPDATE ... WHERE` would lock the row even when the WHERE fails,
+/// and a paused standby would then block the holder's writes and renewal until its
+/// transaction ended.) Changing `owner_id` (a key column) takes a FOR UPDATE row lock, so the
+/// update waits for every in-flight mutation of the previous owner (FOR KEY SHARE) to commit:
+/// the fence. After that wait PostgreSQL re-checks the WHERE against the latest row version,
+/// and the SET computes the new expiry then.
 pub(crate) const ACQUIRE: &str = r#"
-INSERT INTO {lease} AS l
-       (id, owner_id, epoch, expires_at, acquired_at, holder_host, holder_pid, holder_app)
-VALUES (1, $1, 1, clock_timestamp() + $2::bigint * interval '1 millisecond',
-        clock_timestamp(), $3, $4, $5)
-ON CONFLICT (id) DO UPDATE
-   SET owner_id    = EXCLUDED.owner_id,
-       epoch       = l.epoch + 1,
-       expires_at  = clock_timestamp() + $2::bigint * interval '1 millisecond',
-       acquired_at = clock_timestamp(),
-       holder_host = EXCLUDED.holder_host,
-       holder_pid  = EXCLUDED.holder_pid,
-       holder_app  = EXCLUDED.holder_app
- WHERE l.expires_at <= clock_timestamp()
-RETURNING epoch"#;
+WITH created AS (
+    INSERT INTO {lease}
+           (id, owner_id, epoch, expires_at, acquired_at, holder_host, holder_pid, holder_app)
+    VALUES (1, $1, 1, clock_timestamp() + $2::bigint * interval '1 millisecond',
+            clock_timestamp(), $3, $4, $5)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING epoch
+), taken AS (
+    UPDATE {lease}
+       SET owner_id    = $1,
+           epoch       = epoch + 1,
+           expires_at  = clock_timestamp() + $2::bigint * interval '1 millisecond',
+           acquired_at = clock_timestamp(),
+           holder_host = $3,
+           holder_pid  = $4,
+           holder_app  = $5
+     WHERE id = 1 AND expires_at <= clock_timestamp() AND NOT EXISTS (SELECT 1 FROM created)
+    RETURNING epoch
+)
+SELECT epoch FROM created UNION ALL SELECT epoch FROM taken"#;
 
 /// Who holds the lease and for how long still (milliseconds, by the database clock; negative
 /// when expired). No row: the lease was never taken.
@@ -82,34 +101,74 @@ WITH released AS (
 SELECT epoch, pg_notify($2, epoch::text) FROM released"#;
 
 /// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
-/// (FOR KEY SHARE) only if we own it and it has not expired; the insert reads from it, so it
-/// writes nothing when the lease is gone. The lock is held until commit, so a takeover waits
-/// for this statement. Returns whether the lease was held (false: nothing was written).
+/// (FOR KEY SHARE) only if we own it and it has not expired. The lock is held until commit, so
+/// a takeover waits for this statement. `valid` checks the expiry again once the lock is
+/// granted: if the lock had to wait (for a transaction that then rolled back, leaving the row
+/// unchanged), PostgreSQL does not re-evaluate `lease`'s WHERE, and the lease may have expired
+/// meanwhile. The insert reads from `valid`, so it writes nothing when the lease is gone.
+/// Returns whether the lease was held (false: nothing was written).
 pub(crate) const WRITE: &str = r#"
 WITH lease AS (
-    SELECT epoch FROM {lease}
+    SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
 ), written AS (
     INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
-    SELECT $2, $3, $4, $5, lease.epoch FROM lease
+    SELECT $2, $3, $4, $5, valid.epoch FROM valid
     ON CONFLICT (primary_namespace, secondary_namespace, key)
     DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
 )
-SELECT EXISTS (SELECT 1 FROM lease)"#;
+SELECT EXISTS (SELECT 1 FROM valid)"#;
 
-/// The fenced remove, shaped like [`WRITE`]: the delete joins the `lease` CTE, so it removes
+/// The fenced remove, shaped like [`WRITE`]: the delete joins the `valid` CTE, so it removes
 /// nothing when the lease is gone. Removing a missing key is not an error.
 pub(crate) const REMOVE: &str = r#"
 WITH lease AS (
-    SELECT epoch FROM {lease}
+    SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
 ), removed AS (
-    DELETE FROM {kv} USING lease
+    DELETE FROM {kv} USING valid
      WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
 )
-SELECT EXISTS (SELECT 1 FROM lease)"#;
+SELECT EXISTS (SELECT 1 FROM valid)"#;
+
+/// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
+/// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
+/// removes, as parallel arrays; `unnest` zips them into rows. Both data-modifying CTEs read the
+/// one `valid` CTE (`lease` is materialized once, so the lease row is share-locked once, and
+/// `valid` re-checks the expiry after the lock), so nothing is written or deleted when the
+/// lease is gone. The caller passes each key at most once across
+/// both lists (a row may be changed only once per statement).
+pub(crate) const BATCH: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
+      FROM valid,
+           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
+               AS p (primary_namespace, secondary_namespace, key, value)
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+), removed AS (
+    DELETE FROM {kv} AS kv
+     USING valid,
+           unnest($6::text[], $7::text[], $8::text[])
+               AS r (primary_namespace, secondary_namespace, key)
+     WHERE kv.primary_namespace = r.primary_namespace
+       AND kv.secondary_namespace = r.secondary_namespace
+       AND kv.key = r.key
+)
+SELECT EXISTS (SELECT 1 FROM valid)"#;
 
 pub(crate) const READ: &str = r#"
 SELECT value FROM {kv}
@@ -133,6 +192,22 @@ pub(crate) const LIST_ALL: &str = r#"
 SELECT primary_namespace, secondary_namespace, key FROM {kv}
  ORDER BY primary_namespace, secondary_namespace, key"#;
 
+/// The identity of the connection's server process: its pid and start time (a pid alone may
+/// be reused). Asked once per pooled connection, before its first mutation.
+pub(crate) const BACKEND_IDENTITY: &str =
+    "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+
+/// Ends a server process whose connection broke under a mutation: PostgreSQL notices a
+/// vanished client only when it next writes to the socket, so the statement may still run and
+/// commit later. Ordering requires that it be over before the mutation is retried.
+pub(crate) const TERMINATE_BACKEND: &str = r#"
+SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+ WHERE pid = $1 AND backend_start = $2::text::timestamptz"#;
+
+/// Whether that server process still exists (its transaction, if any, is undecided).
+pub(crate) const BACKEND_ALIVE: &str = r#"
+SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2::text::timestamptz"#;
+
 /// Migrations, numbered from 1, embedded at build time. `{kv_created_index}` names an index
 /// (unqualified: PostgreSQL puts it in the table's schema).
 pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
@@ -152,6 +227,7 @@ pub(crate) struct Statements {
     pub(crate) release: String,
     pub(crate) write: String,
     pub(crate) remove: String,
+    pub(crate) batch: String,
     pub(crate) read: String,
     pub(crate) list: String,
     pub(crate) list_page: String,
@@ -171,6 +247,7 @@ impl Statements {
             release: s(RELEASE),
             write: s(WRITE),
             remove: s(REMOVE),
+            batch: s(BATCH),
             read: s(READ),
             list: s(LIST),
             list_page: s(LIST_PAGE),

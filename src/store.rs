@@ -1,5 +1,6 @@
 //! `PgKvStore`: open, read, write, remove, list, paginate, close.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -67,12 +68,14 @@ pub(crate) struct Inner {
     /// wait for them. tokio's RwLock is fair, so operations that start after `close()` queue
     /// behind it and then see `closed`.
     pub(crate) gate: RwLock<()>,
-    pub(crate) keeper: Mutex<Option<Keeper>>,
+    pub(crate) keeper: tokio::sync::Mutex<Option<Keeper>>,
     pub(crate) max_value_size: usize,
     pub(crate) page_size: usize,
     pub(crate) drop_timeout: Duration,
     /// How long an operation retries a broken connection or an unavailable server.
     pub(crate) retry_for: Duration,
+    /// The server process of each pooled connection, by pool object (see [`Inner::run`]).
+    pub(crate) backends: Mutex<HashMap<deadpool::managed::ObjectId, Backend>>,
 }
 
 /// An opaque position in a newest-first listing, from [`Page::next_page_token`].
@@ -120,7 +123,7 @@ pub trait KvStore {
         secondary_namespace: &str,
         key: &str,
         value: Vec<u8>,
-    ) -> impl Future<Output = Result<()>> + Send + 'static;
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<Self>;
 
     /// Removes a key; removing a missing key is not an error. `lazy` removes may be executed
     /// eagerly (this store always does).
@@ -130,7 +133,7 @@ pub trait KvStore {
         secondary_namespace: &str,
         key: &str,
         lazy: bool,
-    ) -> impl Future<Output = Result<()>> + Send + 'static;
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<Self>;
 
     /// Lists the keys of a namespace pair (sorted); empty for an unknown namespace.
     fn list(
@@ -206,13 +209,13 @@ impl PgKvStore {
         secondary_namespace: &str,
         key: &str,
         value: Vec<u8>,
-    ) -> impl Future<Output = Result<()>> + Send + 'static {
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         let inner = Arc::clone(&self.inner);
         let prepared = check_key(primary_namespace, secondary_namespace, key)
             .and_then(|()| inner.check_value(&value))
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("write", primary_namespace, secondary_namespace, key);
-        async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span)
+        detached(async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span))
     }
 
     /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
@@ -224,13 +227,13 @@ impl PgKvStore {
         secondary_namespace: &str,
         key: &str,
         lazy: bool,
-    ) -> impl Future<Output = Result<()>> + Send + 'static {
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         let _ = lazy;
         let inner = Arc::clone(&self.inner);
         let prepared = check_key(primary_namespace, secondary_namespace, key)
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("remove", primary_namespace, secondary_namespace, key);
-        async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span)
+        detached(async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span))
     }
 
     /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
@@ -341,17 +344,32 @@ impl PgKvStore {
     pub async fn close(&self) -> Result<()> {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::SeqCst);
-        drop(inner.gate.write().await);
-        let keeper = inner.keeper.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let result = match keeper {
+        // Releasing while an operation still runs is safe (a takeover still waits for its
+        // FOR KEY SHARE lock), so a hung operation only delays close() by `drop_timeout`.
+        let finished = tokio::time::timeout(inner.drop_timeout, inner.gate.write()).await;
+        // Held across the release, so a concurrent close() returns only once it is done.
+        let mut keeper = inner.keeper.lock().await;
+        let result = match keeper.take() {
             Some(keeper) => keeper.shutdown().await,
             None => Ok(()),
         };
+        drop(keeper);
         if inner.owns_pool {
             inner.pool.close();
         }
-        result
+        match finished {
+            Ok(_) => result,
+            Err(_) => {
+                tracing::warn!(after = ?inner.drop_timeout,
+                    "pgfence closed while operations were still running");
+                result.and(Err(Error::Timeout {
+                    operation: "close: wait for running operations",
+                    after: inner.drop_timeout,
+                }))
+            }
+        }
     }
+
 }
 
 impl KvStore for PgKvStore {
@@ -370,7 +388,7 @@ impl KvStore for PgKvStore {
         secondary_namespace: &str,
         key: &str,
         value: Vec<u8>,
-    ) -> impl Future<Output = Result<()>> + Send + 'static {
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         PgKvStore::write(self, primary_namespace, secondary_namespace, key, value)
     }
 
@@ -380,7 +398,7 @@ impl KvStore for PgKvStore {
         secondary_namespace: &str,
         key: &str,
         lazy: bool,
-    ) -> impl Future<Output = Result<()>> + Send + 'static {
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         PgKvStore::remove(self, primary_namespace, secondary_namespace, key, lazy)
     }
 
@@ -446,36 +464,64 @@ impl Inner {
         let path = ticket.path();
         let owner = self.lease.owner_id;
         let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
-        // The key's turn is held across retries: a retried statement can never land after a
-        // later call's write.
-        let rows = match &mutation {
+        match &mutation {
             Mutation::Write(value) => {
-                self.query("write", &self.statements.write, &[&owner, pn, sn, key, value]).await?
+                self.fenced("write", &self.statements.write, &[&owner, pn, sn, key, value]).await?
             }
             Mutation::Remove => {
-                self.query("remove", &self.statements.remove, &[&owner, pn, sn, key]).await?
+                self.fenced("remove", &self.statements.remove, &[&owner, pn, sn, key]).await?
             }
-        };
-        let lease_held: bool = rows.first().is_some_and(|row| row.get(0));
-        if !lease_held {
-            return Err(self.lease.fail(LossReason::Fenced));
         }
         turn.applied();
         Ok(())
     }
 
-    /// Runs a prepared statement (prepared once per pooled connection) and returns its rows.
-    ///
-    /// Fails fast with `Closed` or `LeaseLost` before touching the database. A broken connection
-    /// or an unavailable server is retried on a fresh connection, with backoff, while the lease
-    /// is locally valid and for at most `retry_for`. Retrying a mutation whose outcome is
-    /// unknown is safe here because the caller holds the key's turn: the value is idempotent
-    /// per key, and nothing later of that key can have run in between.
+    /// Runs a fenced mutation statement (one that returns whether the lease was held) while
+    /// the caller holds the turns of every key it changes. `Ok` means committed.
+    pub(crate) async fn fenced(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<()> {
+        let rows = self.run(operation, sql, params, true).await?;
+        let lease_held: bool = rows.first().is_some_and(|row| row.get(0));
+        if !lease_held {
+            return Err(self.lease.fail(LossReason::Fenced));
+        }
+        Ok(())
+    }
+
+    /// Runs a read-only statement and returns its rows.
     pub(crate) async fn query(
         &self,
         operation: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
+        self.run(operation, sql, params, false).await
+    }
+
+    /// Runs a prepared statement (prepared once per pooled connection) and returns its rows.
+    ///
+    /// Fails fast with `Closed` or `LeaseLost` before touching the database. A broken
+    /// connection or an unavailable server is retried on a fresh connection, with backoff,
+    /// while the lease is locally valid and for at most `retry_for`.
+    ///
+    /// For a mutation, a connection that broke after the statement was sent leaves its outcome
+    /// unknown, and worse, its server process may still be running it: PostgreSQL notices a
+    /// vanished client only when it next writes to the socket, so the statement can commit
+    /// later, after a retry and after a later call of the same key. So before retrying, the
+    /// old server process is terminated and awaited: once it is gone its transaction is
+    /// decided, and the retry (which writes the same value, under the same key turns) lands
+    /// after it. If that cannot be confirmed, the store fails closed rather than risk a later
+    /// call being overwritten.
+    async fn run(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        mutation: bool,
     ) -> Result<Vec<Row>> {
         let _running = self.gate.read().await;
         if self.closed.load(Ordering::SeqCst) {
@@ -485,12 +531,21 @@ impl Inner {
         let mut backoff = Duration::from_millis(50);
         loop {
             self.lease.check()?;
+            let mut sent_to: Option<Backend> = None;
             let attempt = async {
                 let client = self.pool.get().await.map_err(Error::pool(operation))?;
+                let backend = if mutation { Some(self.backend(&client).await?) } else { None };
                 let statement = client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                sent_to = backend;
                 client.query(&statement, params).await.map_err(Error::db(operation))
             };
-            match attempt.await {
+            let result = attempt.await;
+            if let (Err(e), Some(backend)) = (&result, &sent_to) {
+                if e.is_retryable() {
+                    self.await_backend_gone(backend).await?;
+                }
+            }
+            match result {
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
                     tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh connection");
                     tokio::time::sleep(backoff).await;
@@ -500,6 +555,103 @@ impl Inner {
             }
         }
     }
+
+    /// The server process behind a pooled connection, asked once per connection.
+    async fn backend(&self, client: &deadpool_postgres::Object) -> Result<Backend> {
+        let id = deadpool_postgres::Object::id(client);
+        let known = self.backends.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
+        if let Some(backend) = known {
+            return Ok(backend);
+        }
+        let row = client
+            .query_one(sql::BACKEND_IDENTITY, &[])
+            .await
+            .map_err(Error::db("identify connection"))?;
+        let backend = Backend { pid: row.get(0), started: row.get(1) };
+        let mut backends = self.backends.lock().unwrap_or_else(|e| e.into_inner());
+        if backends.len() >= 4 * self.pool.status().max_size.max(16) {
+            // Entries of connections long gone; the live ones are asked again on next use.
+            backends.clear();
+        }
+        backends.insert(id, backend.clone());
+        Ok(backend)
+    }
+
+    /// Terminates the server process of a connection that broke under a mutation and waits
+    /// until it is gone (see [`Inner::run`]). Fails closed if that cannot be confirmed in time.
+    async fn await_backend_gone(&self, backend: &Backend) -> Result<()> {
+        let started = tokio::time::Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            // A lost lease fails every later operation of this store, so no later call can be
+            // overwritten; the old statement, if it commits, still commits before any takeover.
+            self.lease.check()?;
+            let attempt = async {
+                let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;
+                let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
+                client
+                    .query(sql::TERMINATE_BACKEND, &params)
+                    .await
+                    .map_err(Error::db("end broken session"))?;
+                loop {
+                    let alive = client
+                        .query_opt(sql::BACKEND_ALIVE, &params)
+                        .await
+                        .map_err(Error::db("end broken session"))?;
+                    if alive.is_none() {
+                        return Ok::<_, Error>(());
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            let left = self.retry_for.saturating_sub(started.elapsed());
+            let outcome = tokio::time::timeout(left, attempt).await;
+            match outcome {
+                Ok(Ok(())) => {
+                    tracing::debug!(pid = backend.pid, "pgfence broken session is gone");
+                    return Ok(());
+                }
+                Ok(Err(e)) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Ok(Err(e)) => {
+                    tracing::error!(pid = backend.pid, error = %e,
+                        "pgfence cannot end the session of a write with an unknown outcome");
+                    return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
+                }
+                Err(_) => {
+                    tracing::error!(pid = backend.pid,
+                        "pgfence session of a write with an unknown outcome did not end in time");
+                    return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
+                }
+            }
+        }
+    }
+}
+
+/// A PostgreSQL server process: its pid and start time (a pid alone may be reused).
+#[derive(Debug, Clone)]
+pub(crate) struct Backend {
+    pid: i32,
+    started: String,
+}
+
+/// Runs work as a task of its own and waits for it. Dropping the caller's future then cannot
+/// interrupt the work halfway: a mutation keeps its key's turn until its statement is over
+/// (otherwise a later call of the key could run first and be overwritten by the orphaned
+/// statement), and an `open()` that has committed its lease still starts renewal (the store is
+/// then dropped, which releases the lease). A panic in the task (`LeaseLossPolicy::Panic`) is
+/// resumed in the caller.
+pub(crate) async fn detached<T: Send + 'static>(
+    work: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    match tokio::spawn(work).await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only when the runtime itself is shutting down.
+        Err(_) => Err(Error::Closed),
+    }
 }
 
 impl Drop for Inner {
@@ -507,7 +659,7 @@ impl Drop for Inner {
     /// the lease, waiting at most `drop_timeout`. The release runs on the renewal thread's own
     /// runtime, so this works in any runtime flavor or none.
     fn drop(&mut self) {
-        let keeper = self.keeper.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let keeper = self.keeper.get_mut().take();
         if let Some(keeper) = keeper {
             keeper.shutdown_blocking(self.drop_timeout);
         }
@@ -543,6 +695,11 @@ impl Builder {
     /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
     /// live store holds the lease. Creates the database if it does not exist and the role may.
     pub async fn open(self) -> Result<PgKvStore> {
+        self.validate()?;
+        detached(self.open_here()).await
+    }
+
+    async fn open_here(self) -> Result<PgKvStore> {
         let table = self.validate()?;
         let statements = Statements::new(&table);
         let deadline_after = self.deadline();
@@ -622,11 +779,12 @@ impl Builder {
                 order: Arc::new(KeyOrder::default()),
                 closed: AtomicBool::new(false),
                 gate: RwLock::new(()),
-                keeper: Mutex::new(Some(keeper)),
+                keeper: tokio::sync::Mutex::new(Some(keeper)),
                 max_value_size: self.max_value_size,
                 page_size: self.page_size,
                 drop_timeout: self.drop_timeout,
                 retry_for: self.lease_ttl,
+                backends: Mutex::new(HashMap::new()),
             }),
         })
     }

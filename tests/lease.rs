@@ -60,12 +60,12 @@ async fn eight_concurrent_opens_on_a_fresh_database_one_wins() {
     winners.pop().unwrap().close().await.unwrap();
 }
 
-/// A loser's schema work is rolled back with its failed acquisition: take a store's schema
-/// back to version 1 (as if written by an older release) while it holds the lease; a second
-/// open migrates to version 2 inside its setup transaction, finds the lease held, and must
-/// leave version 1 in place.
+/// A standby never migrates a table whose lease is held: take a store's schema back to
+/// version 1 (as if written by an older release) while it holds the lease; a second open
+/// (a newer release) finds the lease held before any DDL and leaves version 1 in place. Only
+/// the store that takes the lease migrates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_rollback_undoes_the_losers_migration() {
+async fn standby_does_not_migrate_a_held_table() {
     let t = table("rollback");
     let a = builder(&t).open().await.unwrap();
     let db = admin().await;
@@ -81,12 +81,12 @@ async fn setup_rollback_undoes_the_losers_migration() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 1, "the loser's version record was rolled back");
+    assert_eq!(version, 1, "the loser recorded no migration");
     let index = db
         .query_opt("SELECT 1 FROM pg_class WHERE relname = $1", &[&format!("{t}_created_idx")])
         .await
         .unwrap();
-    assert!(index.is_none(), "the loser's index was rolled back");
+    assert!(index.is_none(), "the loser created no index");
     // The next successful open migrates for real.
     a.close().await.unwrap();
     let b = builder(&t).open().await.unwrap();
@@ -97,6 +97,27 @@ async fn setup_rollback_undoes_the_losers_migration() {
         .get(0);
     assert_eq!(version, 2);
     b.close().await.unwrap();
+}
+
+/// Setup is all or nothing: when a migration fails halfway (here, migration 2's index name is
+/// taken), the tables migration 1 created, the version record and the lease are rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_migration_rolls_back_the_whole_setup() {
+    let t = table("halfway");
+    let db = admin().await;
+    db.batch_execute(&format!("CREATE TABLE \"{t}_created_idx\" (x int)")).await.unwrap();
+    let e = builder(&t).open().await.unwrap_err();
+    assert!(matches!(e, Error::Database { operation: "migrate schema", .. }), "{e:?}");
+    for name in [t.clone(), format!("{t}_lease"), format!("{t}_schema_version")] {
+        let exists: Option<String> = db
+            .query_one("SELECT to_regclass($1)::text", &[&format!("\"{name}\"")])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(exists, None, "{name} was rolled back");
+    }
+    db.batch_execute(&format!("DROP TABLE \"{t}_created_idx\"")).await.unwrap();
+    builder(&t).open().await.expect("then setup succeeds").close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

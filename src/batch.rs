@@ -1,0 +1,212 @@
+//! Atomic batches: many puts and removes, one fence check, one statement, one round trip.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tracing::Instrument;
+
+use crate::error::{Error, Result};
+use crate::keys::check_key;
+use crate::ordering::Ticket;
+use crate::store::{Inner, PgKvStore, detached};
+
+/// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
+/// [`Batch::commit`].
+///
+/// # Guarantees
+///
+/// - **All or nothing.** Every operation is applied in one SQL statement under one fence check
+///   (the same `FOR KEY SHARE` check on the lease row as a single `write`): either every change
+///   commits under this store's lease, or none does.
+/// - **Validation first.** Every key and value is checked as it is added; if any is invalid,
+///   `commit` returns that (first) error and runs no SQL: nothing is written.
+/// - **Per-key order with single operations.** `commit()` takes every key's place in the
+///   per-key order when it is *called*, like [`PgKvStore::write`]. An operation of the batch
+///   whose key was already changed by a *later* call (a `write`, `remove` or another batch
+///   called after this `commit`) is dropped, since the later value must win; the rest of the
+///   batch is still applied atomically. Nothing of a batch ever overwrites a later call.
+/// - **Last op wins within a batch.** When a key appears several times, only the last put or
+///   remove of it is applied.
+/// - **Lease loss.** If the lease is gone, `commit` returns [`Error::LeaseLost`], nothing is
+///   written, and the store fails closed like after a failed `write`.
+///
+/// An empty batch (or one whose every operation was superseded) runs no statement; it still
+/// fails with [`Error::Closed`] or [`Error::LeaseLost`] when the store is closed or has lost
+/// its lease.
+#[derive(Debug)]
+#[must_use = "a batch does nothing until `commit()` is called and awaited"]
+pub struct Batch {
+    inner: Arc<Inner>,
+    /// The last operation of each key; the map's order is the order key turns are taken in.
+    ops: BTreeMap<(String, String, String), Op>,
+    /// The first validation error, reported by `commit` before any SQL runs.
+    invalid: Option<Error>,
+}
+
+#[derive(Debug)]
+enum Op {
+    Put(Vec<u8>),
+    Remove,
+}
+
+/// One key of a committed batch: its operation and its place in the key's order.
+struct Entry {
+    ticket: Ticket,
+    op: Op,
+}
+
+impl PgKvStore {
+    /// Starts an empty atomic batch of puts and removes; see [`Batch`].
+    pub fn batch(&self) -> Batch {
+        Batch { inner: Arc::clone(&self.inner), ops: BTreeMap::new(), invalid: None }
+    }
+}
+
+impl Batch {
+    /// Adds a write of `value` to the key (creating or replacing it). Replaces any earlier
+    /// operation of the same key in this batch.
+    pub fn put(
+        mut self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Self {
+        let checked = check_key(primary_namespace, secondary_namespace, key)
+            .and_then(|()| self.inner.check_value(&value));
+        self.add(checked, primary_namespace, secondary_namespace, key, Op::Put(value));
+        self
+    }
+
+    /// Adds a removal of the key (removing a missing key is not an error). Replaces any
+    /// earlier operation of the same key in this batch.
+    pub fn remove(mut self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Self {
+        let checked = check_key(primary_namespace, secondary_namespace, key);
+        self.add(checked, primary_namespace, secondary_namespace, key, Op::Remove);
+        self
+    }
+
+    /// The number of distinct keys the batch changes.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True when the batch changes no key.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    fn add(&mut self, checked: Result<()>, primary: &str, secondary: &str, key: &str, op: Op) {
+        match checked {
+            Ok(()) => {
+                self.ops.insert((primary.to_owned(), secondary.to_owned(), key.to_owned()), op);
+            }
+            Err(e) => {
+                self.invalid.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Applies the batch atomically. Every key's place in the per-key order is taken now, in
+    /// this call; the returned future does the work and may outlive the store handle. `Ok`
+    /// means every operation that was not superseded by a later call committed, in one
+    /// transaction, under this store's lease.
+    pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
+        let Batch { inner, ops, invalid } = self;
+        let span = tracing::debug_span!(
+            "pgfence",
+            operation = "batch",
+            table = %inner.table.display(),
+            ops = ops.len(),
+            epoch = inner.lease.epoch,
+        );
+        // Tickets are taken here, synchronously, so the batch's place in every key's order is
+        // the moment `commit` was called, whatever happens to the future afterwards.
+        let entries: Result<Vec<Entry>> = match invalid {
+            Some(e) => Err(e),
+            None => Ok(ops
+                .into_iter()
+                .map(|((primary, secondary, key), op)| Entry {
+                    ticket: inner.ticket(&primary, &secondary, &key),
+                    op,
+                })
+                .collect()),
+        };
+        detached(async move { apply(&inner, entries?).await }.instrument(span))
+    }
+}
+
+/// Takes the key turns, then runs the one fenced statement.
+async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
+    // Turns are taken one key at a time in the map's sorted key order and held together until
+    // the statement has finished. Single-key operations hold one turn at a time and every
+    // batch takes its turns in the same global order, so no two waiters can wait on each
+    // other in a cycle: no deadlock. Holding every turn across the statement (and its retries)
+    // is what keeps per-key order: nothing later of any of these keys can run in between.
+    let mut turns = Vec::with_capacity(entries.len());
+    let mut puts = Columns::default();
+    let mut removes = Columns::default();
+    let mut values: Vec<&[u8]> = Vec::new();
+    for entry in &entries {
+        let Some(turn) = entry.ticket.turn().await else {
+            continue; // A later call of this key is already applied: it must win.
+        };
+        turns.push(turn);
+        let path = entry.ticket.path();
+        match &entry.op {
+            Op::Put(value) => {
+                puts.push(&path.primary_namespace, &path.secondary_namespace, &path.key);
+                values.push(value);
+            }
+            Op::Remove => {
+                removes.push(&path.primary_namespace, &path.secondary_namespace, &path.key)
+            }
+        }
+    }
+    if turns.is_empty() {
+        // Nothing to write, but an operation of a closed or fenced store still fails.
+        if inner.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        return inner.lease.check();
+    }
+    let owner = inner.lease.owner_id;
+    inner
+        .fenced(
+            "batch",
+            &inner.statements.batch,
+            &[
+                &owner,
+                &puts.primary,
+                &puts.secondary,
+                &puts.key,
+                &values,
+                &removes.primary,
+                &removes.secondary,
+                &removes.key,
+            ],
+        )
+        .await?;
+    for turn in turns {
+        turn.applied();
+    }
+    Ok(())
+}
+
+/// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
+#[derive(Default)]
+struct Columns<'a> {
+    primary: Vec<&'a str>,
+    secondary: Vec<&'a str>,
+    key: Vec<&'a str>,
+}
+
+impl<'a> Columns<'a> {
+    fn push(&mut self, primary: &'a str, secondary: &'a str, key: &'a str) {
+        self.primary.push(primary);
+        self.secondary.push(secondary);
+        self.key.push(key);
+    }
+}

@@ -1,0 +1,294 @@
+//! Atomic batches: all-or-nothing, one fence check, and per-key call order shared with the
+//! single-key `write`/`remove`.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::within;
+use pgfence::{Error, PgKvStore};
+use rand::seq::SliceRandom;
+
+const NS: &str = "ns";
+const SUB: &str = "sub";
+
+/// Every `(key, value)` of `(NS, SUB)`, read straight from the table by an administrator
+/// connection (not through the store, which may have failed closed).
+async fn rows(table: &str) -> BTreeMap<String, Vec<u8>> {
+    let admin = common::admin().await;
+    admin
+        .query(
+            &format!(
+                "SELECT key, value FROM \"{table}\" WHERE primary_namespace = $1 AND secondary_namespace = $2"
+            ),
+            &[&NS, &SUB],
+        )
+        .await
+        .expect("read rows")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+async fn value(store: &PgKvStore, key: &str) -> Option<Vec<u8>> {
+    match store.read(NS, SUB, key).await {
+        Ok(v) => Some(v),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => panic!("read {key}: {e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_and_removes_commit_together() {
+    let table = common::table("batch_basic");
+    let store = common::open(&table).await;
+    store.write(NS, SUB, "old", b"old".to_vec()).await.unwrap();
+
+    let batch = store
+        .batch()
+        .put(NS, SUB, "a", b"a1".to_vec())
+        .put(NS, SUB, "b", b"b".to_vec())
+        .remove(NS, SUB, "old")
+        .put(NS, "other", "c", b"c".to_vec())
+        .put("", "", "d", vec![])
+        // The same key twice: the last operation wins.
+        .put(NS, SUB, "a", b"a2".to_vec())
+        .put(NS, SUB, "gone", b"x".to_vec())
+        .remove(NS, SUB, "gone")
+        // Removing a missing key is not an error.
+        .remove(NS, SUB, "never");
+    assert_eq!(batch.len(), 7);
+    within("commit", batch.commit()).await.unwrap();
+
+    assert_eq!(value(&store, "a").await.as_deref(), Some(&b"a2"[..]));
+    assert_eq!(value(&store, "b").await.as_deref(), Some(&b"b"[..]));
+    assert_eq!(value(&store, "old").await, None);
+    assert_eq!(value(&store, "gone").await, None);
+    assert_eq!(store.read(NS, "other", "c").await.unwrap(), b"c");
+    assert_eq!(store.read("", "", "d").await.unwrap(), b"");
+    assert_eq!(store.list(NS, SUB).await.unwrap(), ["a", "b"]);
+
+    // Every row records the epoch that wrote it, as single writes do.
+    let admin = common::admin().await;
+    let epochs: Vec<i64> = admin
+        .query(&format!("SELECT DISTINCT epoch FROM \"{table}\""), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(epochs, [store.fencing_token()]);
+
+    // An empty batch is a no-op that succeeds.
+    let empty = store.batch();
+    assert!(empty.is_empty());
+    empty.commit().await.unwrap();
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_operation_writes_nothing() {
+    let table = common::table("batch_invalid");
+    let store = common::builder(&table).max_value_size(16).open().await.unwrap();
+    store.write(NS, SUB, "keep", b"before".to_vec()).await.unwrap();
+
+    let bad_key = store
+        .batch()
+        .put(NS, SUB, "a", b"a".to_vec())
+        .remove(NS, SUB, "keep")
+        .put(NS, SUB, "bad/key", b"x".to_vec())
+        .put(NS, SUB, "b", b"b".to_vec());
+    let e = bad_key.commit().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidKey { what: "key", .. }), "{e}");
+
+    let bad_namespace = store.batch().put(NS, SUB, "a", b"a".to_vec()).remove("", SUB, "keep");
+    let e = bad_namespace.commit().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidKey { .. }), "{e}");
+
+    let too_large = store.batch().put(NS, SUB, "a", b"a".to_vec()).remove(NS, SUB, "keep");
+    let too_large = too_large.put(NS, SUB, "big", vec![0; 17]);
+    let e = too_large.commit().await.unwrap_err();
+    assert!(matches!(e, Error::ValueTooLarge { len: 17, max: 16 }), "{e}");
+
+    // Nothing of any of them reached the table.
+    let expected = BTreeMap::from([("keep".to_owned(), b"before".to_vec())]);
+    assert_eq!(rows(&table).await, expected);
+    // A validation error is the caller's, not the lease's: the store still works.
+    store.batch().put(NS, SUB, "a", b"a".to_vec()).commit().await.unwrap();
+    assert_eq!(value(&store, "a").await.as_deref(), Some(&b"a"[..]));
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stolen_lease_writes_nothing_and_fails_closed() {
+    let table = common::table("batch_fenced");
+    let store = common::open(&table).await;
+    store.write(NS, SUB, "keep", b"before".to_vec()).await.unwrap();
+
+    let admin = common::admin().await;
+    let epoch = common::steal_lease(&admin, &table).await;
+    assert_eq!(epoch, store.fencing_token() + 1);
+
+    let batch = store
+        .batch()
+        .put(NS, SUB, "a", b"a".to_vec())
+        .put(NS, SUB, "keep", b"after".to_vec())
+        .remove(NS, SUB, "keep");
+    let e = within("fenced commit", batch.commit()).await.unwrap_err();
+    assert!(e.is_lease_lost(), "{e}");
+    let expected = BTreeMap::from([("keep".to_owned(), b"before".to_vec())]);
+    assert_eq!(rows(&table).await, expected);
+
+    // Failed closed, permanently: later batches (empty ones included) and writes fail too.
+    let e = store.batch().put(NS, SUB, "b", b"b".to_vec()).commit().await.unwrap_err();
+    assert!(e.is_lease_lost(), "{e}");
+    assert!(store.batch().commit().await.unwrap_err().is_lease_lost());
+    assert!(store.write(NS, SUB, "c", b"c".to_vec()).await.unwrap_err().is_lease_lost());
+    assert_eq!(rows(&table).await, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_store_refuses_batches() {
+    let store = common::open(&common::table("batch_closed")).await;
+    let pending = store.batch().put(NS, SUB, "a", b"a".to_vec());
+    store.close().await.unwrap();
+    assert!(matches!(pending.commit().await, Err(Error::Closed)));
+    assert!(matches!(store.batch().commit().await, Err(Error::Closed)));
+}
+
+/// Futures created in one order and awaited in the reverse order: every key ends with the value
+/// of the last *call* that touched it, batch or single.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_with_single_writes_by_call_time() {
+    let store = common::open(&common::table("batch_order")).await;
+
+    // Calls, in this order:
+    let w_before = store.write(NS, SUB, "k1", b"single before".to_vec());
+    let r_before = store.remove(NS, SUB, "k3", false);
+    let batch = store
+        .batch()
+        .put(NS, SUB, "k1", b"batch".to_vec())
+        .put(NS, SUB, "k2", b"batch".to_vec())
+        .put(NS, SUB, "k3", b"batch".to_vec())
+        .put(NS, SUB, "k4", b"batch".to_vec())
+        .commit();
+    let w_after = store.write(NS, SUB, "k2", b"single after".to_vec());
+    let r_after = store.remove(NS, SUB, "k4", false);
+
+    // Awaited newest first: the later single calls run before the batch, so the batch must drop
+    // k2 and k4 (superseded) yet still apply k1 and k3; the earlier calls then run last and
+    // must not overwrite the batch.
+    within("r_after", r_after).await.unwrap();
+    within("w_after", w_after).await.unwrap();
+    within("batch", batch).await.unwrap();
+    within("r_before", r_before).await.unwrap();
+    within("w_before", w_before).await.unwrap();
+
+    assert_eq!(value(&store, "k1").await.as_deref(), Some(&b"batch"[..]));
+    assert_eq!(value(&store, "k2").await.as_deref(), Some(&b"single after"[..]));
+    assert_eq!(value(&store, "k3").await.as_deref(), Some(&b"batch"[..]));
+    assert_eq!(value(&store, "k4").await, None);
+
+    // Two overlapping batches, the later one awaited first.
+    let first = store.batch().put(NS, SUB, "k1", b"first".to_vec()).remove(NS, SUB, "k2").commit();
+    let second =
+        store.batch().put(NS, SUB, "k2", b"second".to_vec()).put(NS, SUB, "k5", b"5".to_vec());
+    let second = second.commit();
+    within("second", second).await.unwrap();
+    within("first", first).await.unwrap();
+    assert_eq!(value(&store, "k1").await.as_deref(), Some(&b"first"[..]));
+    assert_eq!(value(&store, "k2").await.as_deref(), Some(&b"second"[..]));
+    assert_eq!(value(&store, "k5").await.as_deref(), Some(&b"5"[..]));
+    store.close().await.unwrap();
+}
+
+/// Many writes, removes and batches over a few keys, all running at once on spawned tasks
+/// (batches taking their keys in every order): no deadlock, and every key ends with the value of
+/// the last call that touched it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_mix_ends_in_call_order() {
+    let store = common::open(&common::table("batch_mix")).await;
+    let keys = ["a", "b", "c", "d", "e", "f"];
+    let mut rng = rand::rng();
+    // The expected final state: the last call per key. None = removed.
+    let mut expected: BTreeMap<&str, Option<Vec<u8>>> = BTreeMap::new();
+    let mut tasks = Vec::new();
+    for call in 0..300u32 {
+        let value = format!("v{call}").into_bytes();
+        let fut: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> = match call % 4 {
+            0 => {
+                let key = keys[call as usize % keys.len()];
+                expected.insert(key, Some(value.clone()));
+                Box::pin(store.write(NS, SUB, key, value))
+            }
+            1 => {
+                let key = keys[(call as usize / 4) % keys.len()];
+                expected.insert(key, None);
+                Box::pin(store.remove(NS, SUB, key, false))
+            }
+            _ => {
+                let mut chosen = keys.to_vec();
+                chosen.shuffle(&mut rng);
+                let mut batch = store.batch();
+                for (i, key) in chosen.iter().take(1 + call as usize % 4).enumerate() {
+                    if i % 3 == 2 {
+                        expected.insert(key, None);
+                        batch = batch.remove(NS, SUB, key);
+                    } else {
+                        expected.insert(key, Some(value.clone()));
+                        batch = batch.put(NS, SUB, key, value.clone());
+                    }
+                }
+                Box::pin(batch.commit())
+            }
+        };
+        tasks.push(fut);
+    }
+    // Run them all at once, started in a random order.
+    tasks.shuffle(&mut rng);
+    let handles: Vec<_> = tasks.into_iter().map(tokio::spawn).collect();
+    for handle in handles {
+        within("mixed operation", handle).await.expect("task").expect("operation");
+    }
+    for (key, want) in expected {
+        assert_eq!(value(&store, key).await, want, "key {key}");
+    }
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_operations_in_one_batch() {
+    let table = common::table("batch_10k");
+    let store = common::open(&table).await;
+    let value = |i: usize| format!("{i:05}").repeat(200).into_bytes(); // 1000 bytes
+
+    let mut batch = store.batch();
+    for i in 0..10_000 {
+        batch = batch.put(NS, SUB, &format!("k{i:05}"), value(i));
+    }
+    assert_eq!(batch.len(), 10_000);
+    within("10k puts", batch.commit()).await.unwrap();
+    let keys = store.list(NS, SUB).await.unwrap();
+    assert_eq!(keys.len(), 10_000);
+    assert_eq!(keys[0], "k00000");
+    assert_eq!(keys[9_999], "k09999");
+
+    // 5,000 removes and 5,000 overwrites in one batch.
+    let mut batch = store.batch();
+    for i in 0..10_000 {
+        let key = format!("k{i:05}");
+        batch = if i % 2 == 0 {
+            batch.remove(NS, SUB, &key)
+        } else {
+            batch.put(NS, SUB, &key, b"updated".to_vec())
+        };
+    }
+    within("10k mixed", batch.commit()).await.unwrap();
+    let all = rows(&table).await;
+    assert_eq!(all.len(), 5_000);
+    assert!(all.iter().all(|(k, v)| {
+        let i: usize = k[1..].parse().unwrap();
+        i % 2 == 1 && v == b"updated"
+    }));
+    store.close().await.unwrap();
+}

@@ -1,0 +1,279 @@
+//! The subtle ways ordering and fencing can break: a statement orphaned by a broken
+//! connection, a dropped write future, a stale expiry check after a lock wait, a stalled
+//! contender, a hung close, and a loss found by renewal.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{admin, builder, lease_row, lease_table, table, within};
+use pgfence::testing::{Proxy, TestServer};
+use pgfence::{Error, LeaseState, PgKvStore};
+
+/// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
+/// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
+/// executions, a retry included, do not sleep (a sequence is not rolled back), so an orphaned
+/// first execution would wake and commit after everything that came later.
+async fn slow_trigger(table: &str, seconds: u32) {
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE SEQUENCE \"{table}_slow_seq\";
+             CREATE FUNCTION \"{table}_slow\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.value = 'slow'::bytea AND nextval('\"{table}_slow_seq\"') = 1 THEN
+                     PERFORM pg_sleep({seconds});
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_slow\"();"
+        ))
+        .await
+        .unwrap();
+}
+
+/// Waits until a write to `table` sleeps in `pg_sleep` (the slow trigger).
+async fn wait_for_sleeper(table: &str) {
+    let db = admin().await;
+    let pattern = format!("%INSERT INTO \"{table}\"%");
+    within("slow statement running", async {
+        while db
+            .query(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE $1",
+                &[&pattern],
+            )
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+/// Makes the store's pool open `n` connections (writes held up together by a lock on the lease
+/// row), so that the next operations are spread over different connections: two statements on
+/// one connection would run in order anyway and hide an ordering bug.
+async fn warm_pool(store: &PgKvStore, table: &str, n: usize) {
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR UPDATE", lease_table(table)), &[])
+        .await
+        .unwrap();
+    let writes: Vec<_> =
+        (0..n).map(|i| tokio::spawn(store.write("warm", "s", &format!("w{i}"), vec![]))).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tx.rollback().await.unwrap();
+    for w in writes {
+        within("warm-up write", w).await.unwrap().unwrap();
+    }
+}
+
+async fn value_of(table: &str, key: &str) -> Vec<u8> {
+    admin()
+        .await
+        .query_one(&format!("SELECT value FROM \"{table}\" WHERE key = $1"), &[&key])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A connection breaks while its write still runs on the server. The server process goes on
+/// and would commit the old value after the retry and after a later call: the store must end
+/// that process before it retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("orphan");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .open()
+        .await
+        .unwrap();
+    store.write("o", "s", "k", b"first".to_vec()).await.unwrap();
+    slow_trigger(&t, 2).await;
+
+    let slow = tokio::spawn(store.write("o", "s", "k", b"slow".to_vec()));
+    wait_for_sleeper(&t).await;
+    proxy.cut_all(); // The server process keeps sleeping, then would commit "slow".
+    within("slow write", slow).await.unwrap().expect("retried after the old session ended");
+    store.write("o", "s", "k", b"later".to_vec()).await.unwrap();
+    // Long enough for an orphaned statement to have committed, had it survived.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(value_of(&t, "k").await, b"later", "the later call's value stands");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.close().await.unwrap();
+}
+
+/// Dropping a write future (a timeout, a `select!`) must not let a later call of the key run
+/// while the dropped write's statement is still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_write_future_cannot_overwrite_a_later_call() {
+    let t = table("dropfut");
+    let store = builder(&t).pool_size(4).open().await.unwrap();
+    store.write("d", "s", "k", b"first".to_vec()).await.unwrap();
+    warm_pool(&store, &t, 4).await;
+    slow_trigger(&t, 2).await;
+    let timed_out =
+        tokio::time::timeout(Duration::from_millis(300), store.write("d", "s", "k", b"slow".to_vec()))
+            .await;
+    assert!(timed_out.is_err(), "the slow write was still running when its future was dropped");
+    store.write("d", "s", "k", b"later".to_vec()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(value_of(&t, "k").await, b"later");
+    store.close().await.unwrap();
+}
+
+/// A write that waited for the lease row lock re-checks the expiry once it has the lock: if
+/// the lease expired meanwhile, nothing is written, even though the row itself never changed
+/// (PostgreSQL re-evaluates a locking query's WHERE only when the row was updated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_that_waited_past_the_expiry_writes_nothing() {
+    let t = table("stalecheck");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(4))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    // FOR UPDATE blocks the writers' FOR KEY SHARE and the renewal alike.
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR UPDATE", lease_table(&t)), &[])
+        .await
+        .unwrap();
+    let write = tokio::spawn(store.write("s", "s", "k", b"late".to_vec()));
+    let db = admin().await;
+    within("database expiry", async {
+        while lease_row(&db, &t).await.2 > -200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(!write.is_finished(), "the write was waiting for the lock");
+    tx.rollback().await.unwrap(); // The lease row is unchanged: only the clock moved.
+    let e = within("write", write).await.unwrap().unwrap_err();
+    assert!(e.is_lease_lost(), "{e:?}");
+    let rows: i64 =
+        db.query_one(&format!("SELECT count(*) FROM \"{t}\""), &[]).await.unwrap().get(0);
+    assert_eq!(rows, 0, "nothing was written after the expiry");
+}
+
+/// A standby whose acquisition failed and which then stalls inside its transaction (paused,
+/// partitioned) must hold no lock on the lease row: the holder keeps writing and renewing.
+/// This is the statement shape of the acquisition (see `sql::ACQUIRE`): a plain UPDATE whose
+/// WHERE fails locks nothing, unlike `ON CONFLICT DO UPDATE ... WHERE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_failed_acquisition_does_not_block_the_holder() {
+    let t = table("stalled");
+    let store = builder(&t).renew_interval(Duration::from_millis(500)).open().await.unwrap();
+    let mut standby = admin().await;
+    let tx = standby.transaction().await.unwrap();
+    let taken = tx
+        .query(
+            &format!(
+                "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1
+                  WHERE id = 1 AND expires_at <= clock_timestamp() RETURNING epoch",
+                lease_table(&t)
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(taken.is_empty(), "the lease is held: the attempt fails");
+    // The standby now stalls with its transaction open. The holder is unaffected.
+    within("write beside a stalled standby", store.write("s", "s", "k", b"v".to_vec()))
+        .await
+        .unwrap();
+    let expiry = format!("SELECT expires_at::text FROM {}", lease_table(&t));
+    let db = admin().await;
+    let before: String = db.query_one(&expiry, &[]).await.unwrap().get(0);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after: String = db.query_one(&expiry, &[]).await.unwrap().get(0);
+    assert!(after > before, "renewal went on: {before} -> {after}");
+    tx.rollback().await.unwrap();
+    // And the real failed open leaves no lock and no schema work behind either.
+    let e = builder(&t).open().await.unwrap_err();
+    assert!(e.is_lease_held(), "{e:?}");
+    store.close().await.unwrap();
+}
+
+/// `close()` does not wait forever for a hung operation: it releases after `drop_timeout` and
+/// says so. The release stays safe: a successor still waits for the hung write's lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
+    let t = table("hungclose");
+    let store = builder(&t).drop_timeout(Duration::from_secs(1)).open().await.unwrap();
+    store.write("h", "s", "k", b"old".to_vec()).await.unwrap();
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[])
+        .await
+        .unwrap();
+    let hung = tokio::spawn(store.write("h", "s", "k", b"hung".to_vec()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = within("close", store.close()).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert!(lease_row(&admin().await, &t).await.2 <= 0, "released anyway");
+    // A successor's takeover waits for the hung write, which commits first.
+    let successor = tokio::spawn(builder(&t).open());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!successor.is_finished(), "the takeover waits for the in-flight write");
+    tx.commit().await.unwrap();
+    within("hung write", hung).await.unwrap().unwrap();
+    let successor = within("successor", successor).await.unwrap().unwrap();
+    assert_eq!(successor.read("h", "s", "k").await.unwrap(), b"hung");
+    successor.close().await.unwrap();
+}
+
+/// When renewal finds the lease lost, the store releases it at once (by owner id), so a standby
+/// need not wait out the TTL, even while the handle is still alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_loss_releases_at_once() {
+    let t = table("lossrelease");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(60))
+        .local_deadline(Duration::from_secs(2))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    let mut state = store.lease_state();
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
+        .await
+        .unwrap();
+    within("loss", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
+    tx.rollback().await.unwrap(); // Lets the release through (it waits at most 2 s).
+    let db = admin().await;
+    within("release after loss", async {
+        while lease_row(&db, &t).await.2 > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let next = builder(&t).open().await.expect("a standby takes over long before the TTL");
+    assert_eq!(next.fencing_token(), 2);
+    drop(store);
+    next.close().await.unwrap();
+}
+
+/// Generic code gets `'static` futures from the trait too, not only from the inherent methods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trait_write_futures_are_static_for_generic_callers() {
+    fn spawn_write<S: pgfence::KvStore>(store: &S, key: String) -> tokio::task::JoinHandle<pgfence::Result<()>> {
+        tokio::spawn(store.write("g", "s", &key, b"v".to_vec()))
+    }
+    let store = builder(&table("generic")).open().await.unwrap();
+    spawn_write(&store, "k".to_owned()).await.unwrap().unwrap();
+    assert_eq!(store.read("g", "s", "k").await.unwrap(), b"v");
+    store.close().await.unwrap();
+}
