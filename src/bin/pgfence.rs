@@ -1,0 +1,703 @@
+//! `pgfence`: the operator's command-line tool for a pgfence table.
+//!
+//! Reads go through [`pgfence::Inspector`] and never take the lease; `put`, `rm` and `import`
+//! take it for the command's duration (failing with exit 3 while another store holds it);
+//! `hold` takes it and keeps it until told to stop, printing one JSON line per lease event.
+//! Every error is one line on stderr, `pgfence: ...` with its source chain, and a documented
+//! exit code; nothing panics.
+#![forbid(unsafe_code)]
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
+use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use clap::{Args, Parser, Subcommand};
+use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState};
+use serde_json::{Value, json};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::watch;
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  ok
+  1  other error (database unreachable, I/O, ...)
+  2  usage or configuration error (bad arguments, key, table name or input)
+  3  lease held by another store (put, rm, import, hold without --wait)
+  4  key not found (get)
+  5  lease lost (hold: taken over, force-released, or renewal failed)
+
+Connections are plain TCP or Unix socket: TLS is not supported yet (no sslmode=require).";
+
+/// Operator tool for a pgfence table: a key-value store in PostgreSQL that only the holder of
+/// the table's lease may mutate.
+#[derive(Debug, Parser)]
+#[command(name = "pgfence", version, after_help = EXIT_CODES)]
+struct Cli {
+    /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`).
+    #[arg(long, value_name = "URL", env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
+
+    /// The KV table, `table` or `schema.table`; the lease lives in `<table>_lease`.
+    #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
+    table: String,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Who holds the lease: holder, epoch, time left; or "free". Does not take the lease.
+    Status {
+        /// One JSON object instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Writes a value's bytes to stdout, unchanged; exit 4 if the key is absent.
+    Get(KeyArgs),
+    /// Writes a value under the lease, taken for this command only (exit 3 if held).
+    Put {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// The value; `-` or nothing reads it from stdin.
+        #[arg(value_name = "VALUE", allow_hyphen_values = true)]
+        value: Option<OsString>,
+    },
+    /// Removes a key under the lease, taken for this command only (exit 3 if held).
+    Rm(KeyArgs),
+    /// Lists the keys of a namespace pair, one a line, sorted.
+    Ls {
+        /// Primary namespace (may be empty: "").
+        #[arg(value_name = "NS")]
+        primary_namespace: String,
+        /// Secondary namespace (may be empty: "").
+        #[arg(value_name = "SUB")]
+        secondary_namespace: String,
+    },
+    /// Takes the lease and keeps it until SIGINT/SIGTERM, then releases it. Prints one JSON
+    /// line per event: waiting, acquired, write, lost, released.
+    Hold(HoldArgs),
+    /// Break-glass: expires the lease whoever holds it, so a standby can take over at once.
+    /// The holder is fenced from its next write and fails closed. Needs --force --yes.
+    Release {
+        /// Required: this fences a possibly live holder.
+        #[arg(long)]
+        force: bool,
+        /// Required: confirms --force.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Every row as a JSON line {primary_namespace, secondary_namespace, key, value (base64)}.
+    /// Reads without the lease: rows changed while it runs may or may not be included.
+    Export {
+        /// Write to FILE instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Writes the rows of an export under the lease (exit 3 if held), all in one atomic batch;
+    /// other keys are left alone. Bad input (unparsable, or an invalid key) writes nothing.
+    Import {
+        /// Read from FILE instead of stdin.
+        #[arg(long = "in", value_name = "FILE")]
+        input: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Args)]
+struct KeyArgs {
+    /// Primary namespace (may be empty: "").
+    #[arg(value_name = "NS")]
+    primary_namespace: String,
+    /// Secondary namespace (may be empty: "", only with an empty NS).
+    #[arg(value_name = "SUB")]
+    secondary_namespace: String,
+    /// Key: 1 to 120 of [A-Za-z0-9_-].
+    #[arg(value_name = "KEY")]
+    key: String,
+}
+
+#[derive(Debug, Args)]
+struct HoldArgs {
+    /// Lease TTL in seconds; renewal runs every TTL/3 and the store fails closed 2/3 TTL after
+    /// the last confirmed renewal, before the database expiry.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_secs)]
+    ttl: Duration,
+
+    /// Stand by until the lease can be taken (woken at once by a graceful release, otherwise
+    /// right after the holder's lease expires) instead of failing with exit 3.
+    #[arg(long)]
+    wait: bool,
+
+    /// Every MS milliseconds, write an increasing counter, continuing from the key's current
+    /// value: `{"counter":N,"epoch":E}`.
+    #[arg(long, value_name = "MS", requires = "counter_key")]
+    write_every: Option<u64>,
+
+    /// The counter's key: `KEY` (in namespace pgfence/hold) or `NS/SUB/KEY`.
+    #[arg(long, value_name = "KEY", requires = "write_every")]
+    counter_key: Option<String>,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is not a valid duration"))
+}
+
+/// How the process ends when a command fails: the exit code and the one line for stderr.
+#[derive(Debug)]
+struct Exit {
+    code: u8,
+    message: String,
+}
+
+impl Exit {
+    fn usage(message: impl Into<String>) -> Exit {
+        Exit { code: 2, message: message.into() }
+    }
+
+    fn other(context: &str, error: &(dyn std::error::Error + 'static)) -> Exit {
+        Exit { code: 1, message: format!("{context}: {}", chain(error)) }
+    }
+}
+
+impl From<Error> for Exit {
+    fn from(e: Error) -> Exit {
+        let code = match &e {
+            Error::LeaseHeld { .. } => 3,
+            Error::NotFound(_) => 4,
+            Error::LeaseLost { .. } => 5,
+            Error::InvalidKey { .. }
+            | Error::InvalidConfig { .. }
+            | Error::ValueTooLarge { .. } => 2,
+            _ => 1,
+        };
+        Exit { code, message: chain(&e) }
+    }
+}
+
+/// The error and its sources on one line. tokio-postgres already shows its cause in its own
+/// message, so a source whose text is already there is not repeated.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = cause.source();
+    }
+    line.replace('\n', " ")
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return clap_exit(e),
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(Exit::other("cannot start the async runtime", &e)),
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(exit) => fail(exit),
+    }
+}
+
+fn fail(exit: Exit) -> ExitCode {
+    ExitCode::from(fail_code(exit))
+}
+
+/// Prints the error line and returns the exit code.
+fn fail_code(exit: Exit) -> u8 {
+    // Nowhere left to report a failing stderr; the exit code still tells.
+    let _ = writeln!(io::stderr(), "pgfence: {}", exit.message);
+    exit.code
+}
+
+/// Help and version go to stdout as clap renders them; a usage error becomes one line.
+fn clap_exit(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        // `pgfence` alone: the help, on stderr, as a usage error.
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
+        _ => {}
+    }
+    let rendered = e.render().to_string();
+    // clap's message is the paragraph before the first blank line; keep its usage line too.
+    let message: Vec<&str> =
+        rendered.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+    let message = message.join(" ");
+    let message = message.strip_prefix("error: ").unwrap_or(&message);
+    let usage = rendered.lines().find_map(|l| l.strip_prefix("Usage: "));
+    let line = match usage {
+        Some(usage) => format!("{message} (usage: {usage}; see --help)"),
+        None => format!("{message} (see --help)"),
+    };
+    fail(Exit::usage(line))
+}
+
+async fn run(cli: Cli) -> Result<(), Exit> {
+    let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
+        return Err(Exit::usage("no database: pass --database-url URL or set DATABASE_URL"));
+    };
+    // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
+    let builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
+    match cli.command {
+        Command::Status { json } => status(builder, json).await,
+        Command::Get(k) => {
+            let inspector = builder.inspect().await?;
+            let value =
+                inspector.read(&k.primary_namespace, &k.secondary_namespace, &k.key).await?;
+            let mut out = io::stdout().lock();
+            out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
+        }
+        Command::Put { key: k, value } => {
+            let value = match value {
+                Some(v) if v != "-" => v.into_vec(),
+                _ => {
+                    let mut buf = Vec::new();
+                    io::stdin().read_to_end(&mut buf).map_err(|e| Exit::other("stdin", &e))?;
+                    buf
+                }
+            };
+            let store = builder.open().await?;
+            let written =
+                store.write(&k.primary_namespace, &k.secondary_namespace, &k.key, value).await;
+            finish(store, written).await
+        }
+        Command::Rm(k) => {
+            let store = builder.open().await?;
+            let removed =
+                store.remove(&k.primary_namespace, &k.secondary_namespace, &k.key, false).await;
+            finish(store, removed).await
+        }
+        Command::Ls { primary_namespace, secondary_namespace } => {
+            let keys =
+                builder.inspect().await?.list(&primary_namespace, &secondary_namespace).await?;
+            let mut out = io::stdout().lock();
+            keys.iter()
+                .try_for_each(|key| writeln!(out, "{key}"))
+                .and_then(|()| out.flush())
+                .map_err(|e| Exit::other("stdout", &e))
+        }
+        Command::Hold(args) => hold(builder, args).await,
+        Command::Release { force, yes } => release(builder, force && yes).await,
+        Command::Export { out } => export(builder, out).await,
+        Command::Import { input } => import(builder, input).await,
+    }
+}
+
+/// Closes a store after a one-shot mutation, releasing the lease at once. The mutation's
+/// error, if any, is the one reported; a failed release after a successful mutation is an
+/// error too (the change is committed, but the lease now expires only by its TTL).
+async fn finish(store: PgKvStore, result: pgfence::Result<()>) -> Result<(), Exit> {
+    let closed = store.close().await;
+    result?;
+    closed.map_err(|e| Exit {
+        code: 1,
+        message: format!(
+            "committed, but releasing the lease failed (it expires by its TTL): {}",
+            chain(&e)
+        ),
+    })
+}
+
+async fn status(builder: Builder, json: bool) -> Result<(), Exit> {
+    let info = builder.inspect().await?.lease_info().await?;
+    let line = match (&info, json) {
+        (Some(i), true) if i.active => json!({
+            "state": "held",
+            "holder": i.holder,
+            "epoch": i.epoch,
+            "owner_id": i.owner_id.to_string(),
+            "expires_in_ms": i.expires_in.as_millis() as u64,
+        })
+        .to_string(),
+        (Some(i), true) => json!({ "state": "free", "epoch": i.epoch }).to_string(),
+        (None, true) => json!({ "state": "free", "epoch": null }).to_string(),
+        (Some(i), false) if i.active => format!(
+            "held by {} (epoch {}, owner {}, expires in {:.1} s)",
+            i.holder,
+            i.epoch,
+            i.owner_id,
+            i.expires_in.as_secs_f64()
+        ),
+        (Some(i), false) => format!("free (last epoch {}, last holder {})", i.epoch, i.holder),
+        (None, false) => "free (never held)".to_owned(),
+    };
+    writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
+}
+
+async fn release(builder: Builder, confirmed: bool) -> Result<(), Exit> {
+    if !confirmed {
+        return Err(Exit::usage(
+            "release expires the lease of a possibly live holder; pass both --force and --yes",
+        ));
+    }
+    let line = match builder.inspect().await?.force_release().await? {
+        Some(held) => format!(
+            "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
+            held.holder, held.epoch, held.owner_id
+        ),
+        None => "nobody held the lease".to_owned(),
+    };
+    writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
+}
+
+async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(), Exit> {
+    let inspector = builder.inspect().await?;
+    let writer: Box<dyn Write> = match &out {
+        Some(path) => Box::new(
+            File::create(path).map_err(|e| Exit::other(&format!("{}", path.display()), &e))?,
+        ),
+        None => Box::new(io::stdout().lock()),
+    };
+    let mut writer = BufWriter::new(writer);
+    let target = out.as_ref().map_or_else(|| "stdout".to_owned(), |p| p.display().to_string());
+    for (primary, secondary, key) in inspector.list_all_keys().await? {
+        let value = match inspector.read(&primary, &secondary, &key).await {
+            Ok(value) => value,
+            Err(e) if e.is_not_found() => continue, // Removed since the listing.
+            Err(e) => return Err(e.into()),
+        };
+        let line = json!({
+            "primary_namespace": primary,
+            "secondary_namespace": secondary,
+            "key": key,
+            "value": BASE64.encode(value),
+        });
+        writeln!(writer, "{line}").map_err(|e| Exit::other(&target, &e))?;
+    }
+    writer.flush().map_err(|e| Exit::other(&target, &e))
+}
+
+async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
+    let source = input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string());
+    let reader: Box<dyn BufRead> = match &input {
+        Some(path) => {
+            Box::new(BufReader::new(File::open(path).map_err(|e| Exit::other(&source, &e))?))
+        }
+        None => Box::new(io::stdin().lock()),
+    };
+    // Parse everything before taking the lease: bad input changes nothing.
+    let mut rows = Vec::new();
+    for (n, line) in reader.lines().enumerate() {
+        let line = line.map_err(|e| Exit::other(&source, &e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row = parse_row(&line)
+            .map_err(|reason| Exit::usage(format!("{source} line {}: {reason}", n + 1)))?;
+        rows.push(row);
+    }
+    let store = builder.open().await?;
+    let count = rows.len();
+    let batch =
+        rows.into_iter().fold(store.batch(), |batch, (p, s, k, v)| batch.put(&p, &s, &k, v));
+    let committed = batch.commit().await;
+    finish(store, committed).await?;
+    writeln!(io::stdout(), "imported {count} keys").map_err(|e| Exit::other("stdout", &e))
+}
+
+type Row = (String, String, String, Vec<u8>);
+
+fn parse_row(line: &str) -> Result<Row, String> {
+    let row: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    let field = |name: &str| {
+        row.get(name)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| format!("missing string field {name:?}"))
+    };
+    let value =
+        BASE64.decode(field("value")?).map_err(|e| format!("\"value\" is not base64: {e}"))?;
+    Ok((field("primary_namespace")?, field("secondary_namespace")?, field("key")?, value))
+}
+
+/// SIGINT or SIGTERM, whichever comes first.
+struct Signals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, Exit> {
+        let install =
+            |kind| signal(kind).map_err(|e| Exit::other("cannot install signal handler", &e));
+        Ok(Signals {
+            interrupt: install(SignalKind::interrupt())?,
+            terminate: install(SignalKind::terminate())?,
+        })
+    }
+
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}
+
+/// One JSON line on stdout. A closed stdout does not stop the holder: the lease, not the
+/// output, is what it is for.
+fn emit(event: Value) {
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "{event}").and_then(|()| out.flush());
+}
+
+/// Where `hold --write-every` writes its counter.
+#[derive(Debug, Clone)]
+struct CounterKey {
+    primary: String,
+    secondary: String,
+    key: String,
+    /// As given on the command line, for the `write` events.
+    name: String,
+}
+
+impl CounterKey {
+    fn parse(name: &str) -> Result<CounterKey, Exit> {
+        let parts: Vec<&str> = name.split('/').collect();
+        let (primary, secondary, key) = match parts.as_slice() {
+            [key] => ("pgfence", "hold", *key),
+            [primary, secondary, key] => (*primary, *secondary, *key),
+            _ => {
+                return Err(Exit::usage(format!(
+                    "--counter-key {name:?}: expected KEY or NS/SUB/KEY"
+                )));
+            }
+        };
+        Ok(CounterKey {
+            primary: primary.to_owned(),
+            secondary: secondary.to_owned(),
+            key: key.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// How `hold` ended, once it holds the lease.
+enum Ended {
+    Signalled,
+    Lost,
+    WriterFailed(Error),
+}
+
+async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
+    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0",
+    // never the default instant death that would leave the lease to expire by TTL.
+    let mut signals = Signals::install()?;
+    let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
+    // Renewal every TTL/3 leaves another TTL/3 of retries (about one a second) before the local
+    // deadline at 2/3 TTL (the library's default), which itself comes before the DB expiry.
+    let builder = builder
+        .lease_ttl(args.ttl)
+        .renew_interval(args.ttl / 3)
+        .on_lease_lost(LeaseLossPolicy::FailClosed);
+
+    let store = if args.wait {
+        let standby = builder.standby();
+        let mut progress = standby.progress();
+        let opening = standby.open();
+        tokio::pin!(opening);
+        loop {
+            tokio::select! {
+                opened = &mut opening => break opened?,
+                Ok(()) = progress.changed() => {
+                    let state = progress.borrow_and_update().clone();
+                    if let StandbyState::Waiting { holder, epoch, expires_in } = state {
+                        emit(json!({
+                            "event": "waiting",
+                            "holder": holder,
+                            "epoch": epoch,
+                            "expires_in_ms": expires_in.as_millis() as u64,
+                        }));
+                    }
+                }
+                // Stopped while standing by: dropping the standby leaves nothing behind.
+                () = signals.recv() => return Ok(()),
+            }
+        }
+    } else {
+        builder.open().await?
+    };
+    let epoch = store.fencing_token();
+    emit(json!({ "event": "acquired", "epoch": epoch, "owner_id": store.owner_id().to_string() }));
+
+    let (stop, stopped) = watch::channel(false);
+    let mut writer = match (counter, args.write_every) {
+        (Some(counter), Some(every)) => {
+            let start = match counter_start(&store, &counter).await {
+                Ok(start) => start,
+                Err(exit) => {
+                    let _ = store.close().await; // Reporting the cause, not the release.
+                    return Err(exit);
+                }
+            };
+            let every = Duration::from_millis(every.max(1));
+            Some(tokio::spawn(write_counter(store.clone(), counter, start, every, stopped)))
+        }
+        _ => None,
+    };
+
+    let mut state = store.lease_state();
+    let ended = {
+        let writer_done = async {
+            match writer {
+                Some(ref mut handle) => handle.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(writer_done);
+        tokio::select! {
+            () = signals.recv() => Ended::Signalled,
+            // Renewal (or a write) found the loss: the watch reports it whoever found it.
+            _ = state.wait_for(|s| matches!(s, LeaseState::Lost { .. })) => Ended::Lost,
+            finished = &mut writer_done => match finished {
+                Ok(Err(e)) if e.is_lease_lost() => Ended::Lost,
+                Ok(Err(e)) => Ended::WriterFailed(e),
+                // The writer returns Ok only when stopped, and panics never (nothing in it
+                // unwraps); report either as a failed writer all the same.
+                Ok(Ok(())) | Err(_) => Ended::WriterFailed(Error::Closed),
+            },
+        }
+    };
+    if let Ended::Lost = ended {
+        // Report at once: the process must stop now, whatever the cleanup costs. Nothing of
+        // this store can commit any more, so the write in flight is simply dropped. Awaiting the
+        // aborted writer (it stops at its next await) keeps a `write` event for a write that
+        // committed before the loss from being printed after `lost`.
+        if let Some(handle) = writer {
+            handle.abort();
+            if !handle.is_finished() {
+                let _ = handle.await;
+            }
+        }
+        let lost = lost_exit(&store);
+        let _ = tokio::time::timeout(CLEANUP_LIMIT, store.close()).await; // Best effort.
+        return Err(lost.unwrap_or(Exit { code: 5, message: "lease lost".to_owned() }));
+    }
+    // Orderly: let the writer finish the write in flight (it never starts another after
+    // `stop`), so close() releases after the last write of this epoch, not beside it. A second
+    // signal skips the wait, as an impatient operator expects.
+    let shutdown = async {
+        let _ = stop.send(true);
+        if let Some(handle) = writer {
+            if !handle.is_finished() {
+                let _ = handle.await;
+            }
+        }
+        store.close().await
+    };
+    let closed = tokio::select! {
+        closed = shutdown => closed,
+        // At once, without running destructors: dropping the store would wait for a release.
+        () = signals.recv() => std::process::exit(i32::from(fail_code(Exit {
+            code: 1,
+            message: "signalled again: exiting without releasing the lease; it expires by its TTL"
+                .to_owned(),
+        }))),
+    };
+    // The loss may have been found by the last write or by renewal during the shutdown.
+    if let Some(lost) = lost_exit(&store) {
+        return Err(lost);
+    }
+    if let Ended::WriterFailed(e) = ended {
+        return Err(Exit { code: 1, message: format!("counter write failed: {}", chain(&e)) });
+    }
+    closed.map_err(|e| Exit {
+        code: 1,
+        message: format!("releasing the lease failed (it expires by its TTL): {}", chain(&e)),
+    })?;
+    emit(json!({ "event": "released", "epoch": epoch }));
+    Ok(())
+}
+
+/// Bounds the cleanup after a loss: the release it attempts is a no-op (by owner id, and the
+/// lease is no longer ours), so it must not hold up the exit.
+const CLEANUP_LIMIT: Duration = Duration::from_secs(5);
+
+/// If the store's lease is lost: prints the `lost` event and returns exit 5.
+fn lost_exit(store: &PgKvStore) -> Option<Exit> {
+    let (epoch, reason) = match &*store.lease_state().borrow() {
+        LeaseState::Lost { epoch, reason } => (*epoch, reason.to_string()),
+        _ => return None,
+    };
+    emit(json!({ "event": "lost", "epoch": epoch, "reason": reason }));
+    Some(Exit { code: 5, message: format!("lease lost (epoch {epoch}): {reason}") })
+}
+
+/// Where the counter goes on: after the value in the store, written by this or an earlier
+/// holder. A new holder rebuilds its state from the store, as any successor must.
+async fn counter_start(store: &PgKvStore, counter: &CounterKey) -> Result<u64, Exit> {
+    match store.read(&counter.primary, &counter.secondary, &counter.key).await {
+        Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|v| v.get("counter").and_then(Value::as_u64))
+            .map(|n| n + 1)
+            .ok_or_else(|| {
+                Exit::usage(format!(
+                    "--counter-key {}: the key holds a value that is not a pgfence counter",
+                    counter.name
+                ))
+            }),
+        Err(e) if e.is_not_found() => Ok(1),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Writes `{"counter":N,"epoch":E}` every `every` until stopped, one write at a time, and
+/// prints a `write` event for each committed one. Returns the first error that is not worth
+/// retrying on the next tick (lease lost, closed, anything but a connection problem); a
+/// connection problem the store could not ride out itself is reported and retried.
+async fn write_counter(
+    store: PgKvStore,
+    counter: CounterKey,
+    start: u64,
+    every: Duration,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<(), Error> {
+    let epoch = store.fencing_token();
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut n = start;
+    loop {
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return Ok(()),
+            _ = ticks.tick() => {}
+        }
+        let value = json!({ "counter": n, "epoch": epoch }).to_string().into_bytes();
+        match store.write(&counter.primary, &counter.secondary, &counter.key, value).await {
+            Ok(()) => {
+                emit(
+                    json!({ "event": "write", "key": counter.name, "counter": n, "epoch": epoch }),
+                );
+                n += 1;
+            }
+            Err(e) if e.is_retryable() => {
+                let _ = writeln!(
+                    io::stderr(),
+                    "pgfence: counter write failed, retrying: {}",
+                    chain(&e)
+                );
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

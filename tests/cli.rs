@@ -1,0 +1,682 @@
+//! The `pgfence` binary as users deploy it: several real processes sharing one database.
+//!
+//! Every process is spawned through [`Guard`], which kills (after a `SIGCONT`, in case the test
+//! stopped it) and reaps it when the test ends, pass or fail. Signals go through `kill(1)`:
+//! the crate forbids `unsafe` and has no libc binding. Time limits are generous guards against
+//! hangs; the only timing assertions are the issue's own (takeover within TTL + 1 s of a
+//! crash, graceful handoff under TTL/2), with TTLs chosen so a loaded 2-core machine cannot
+//! fail them spuriously.
+#![cfg(feature = "cli")]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use pgfence::testing::{TestCluster, TestServer, unique_name};
+use serde_json::Value;
+use tokio_postgres::NoTls;
+
+const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
+
+/// Bound on any single wait: only a hang should ever reach it.
+const GUARD: Duration = Duration::from_secs(60);
+
+fn server() -> &'static TestServer {
+    TestServer::shared()
+        .expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+// ---------------------------------------------------------------------------------------------
+
+/// A spawned `pgfence`, killed and reaped on drop however the test ends.
+struct Guard {
+    name: String,
+    child: Child,
+    readers: Vec<JoinHandle<()>>,
+}
+
+impl Guard {
+    fn spawn(name: &str, url: &str, table: &str, args: &[&str], stdin: Option<Vec<u8>>) -> Guard {
+        let mut command = Command::new(BIN);
+        if !url.is_empty() {
+            command.args(["--database-url", url]);
+        }
+        command
+            .args(["--table", table])
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let mut readers = Vec::new();
+        if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            // A thread, so a child that does not read cannot block the test.
+            readers.push(thread::spawn(move || {
+                let _ = pipe.write_all(&bytes); // Closing the pipe is the end of input.
+            }));
+        }
+        Guard { name: name.to_owned(), child, readers }
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// Sends `signal` with kill(1). The child is not reaped before `wait_exit` or drop, so its
+    /// pid cannot have been reused.
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} {} ({}): {status}", self.pid(), self.name);
+    }
+
+    /// Waits for the exit; `None` after `limit`.
+    fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                for reader in self.readers.drain(..) {
+                    let _ = reader.join(); // Output is complete once the pipes close.
+                }
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // Still ours and unreaped: a stopped process is continued first, then killed.
+            let _ = Command::new("kill").arg("-CONT").arg(self.pid()).status();
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+    }
+}
+
+/// The outcome of a one-shot command.
+#[derive(Debug)]
+struct Ran {
+    code: Option<i32>,
+    stdout: Vec<u8>,
+    stderr: String,
+}
+
+impl Ran {
+    fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    /// Exit `code`, and on failure exactly one `pgfence: ...` line on stderr.
+    fn expect(&self, code: i32, what: &str) -> &Ran {
+        assert_eq!(self.code, Some(code), "{what}: {self:?}");
+        if code != 0 {
+            let lines: Vec<&str> = self.stderr.lines().collect();
+            assert!(
+                lines.len() == 1 && lines[0].starts_with("pgfence: "),
+                "{what}: one error line expected: {:?}",
+                self.stderr
+            );
+            assert!(!self.stderr.contains("panicked"), "{what}: {:?}", self.stderr);
+        }
+        self
+    }
+}
+
+/// Runs a one-shot command to its end (killed after [`GUARD`]).
+fn run(url: &str, table: &str, args: &[&str], stdin: Option<&[u8]>) -> Ran {
+    let mut guard = Guard::spawn(args[0], url, table, args, stdin.map(<[u8]>::to_vec));
+    let mut out = guard.child.stdout.take().expect("stdout");
+    let mut err = guard.child.stderr.take().expect("stderr");
+    let stdout = thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = out.read_to_end(&mut buf);
+        buf
+    });
+    let stderr = thread::spawn(move || {
+        let mut buf = String::new();
+        let _ = err.read_to_string(&mut buf);
+        buf
+    });
+    let status = guard.wait_exit(GUARD).unwrap_or_else(|| panic!("pgfence {args:?} hung"));
+    Ran {
+        code: status.code(),
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: stderr.join().expect("stderr reader"),
+    }
+}
+
+/// One stdout line of `hold`: its JSON and when the test read it.
+#[derive(Debug, Clone)]
+struct Event {
+    at: Instant,
+    json: Value,
+}
+
+impl Event {
+    fn kind(&self) -> &str {
+        self.json["event"].as_str().unwrap_or("")
+    }
+
+    fn int(&self, field: &str) -> i64 {
+        self.json[field].as_i64().unwrap_or_else(|| panic!("{field} in {}", self.json))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Stream {
+    events: Vec<Event>,
+    closed: bool,
+}
+
+/// A running `pgfence hold`, its stdout read line by line on a thread as it comes.
+struct Holder {
+    guard: Guard,
+    stream: Arc<(Mutex<Stream>, Condvar)>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Holder {
+    fn spawn(name: &str, url: &str, table: &str, args: &[&str]) -> Holder {
+        let args: Vec<&str> = ["hold"].iter().chain(args).copied().collect();
+        let mut guard = Guard::spawn(name, url, table, &args, None);
+        let stream = Arc::new((Mutex::new(Stream::default()), Condvar::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let out = guard.child.stdout.take().expect("stdout");
+        let err = guard.child.stderr.take().expect("stderr");
+        let s = Arc::clone(&stream);
+        guard.readers.push(thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let json = serde_json::from_str(&line).unwrap_or(Value::String(line));
+                s.0.lock().unwrap().events.push(Event { at: Instant::now(), json });
+                s.1.notify_all();
+            }
+            s.0.lock().unwrap().closed = true;
+            s.1.notify_all();
+        }));
+        let e = Arc::clone(&stderr);
+        guard.readers.push(thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut e = e.lock().unwrap();
+                e.push_str(&line);
+                e.push('\n');
+            }
+        }));
+        Holder { guard, stream, stderr }
+    }
+
+    fn pid(&self) -> String {
+        self.guard.pid()
+    }
+
+    fn events(&self) -> Vec<Event> {
+        self.stream.0.lock().unwrap().events.clone()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// The first event at index `from` or later that is `kind` and satisfies `check`, with its
+    /// index. Fails, showing everything the process printed, if the process ends first or after
+    /// [`GUARD`].
+    fn wait_for(&self, from: usize, kind: &str, check: impl Fn(&Event) -> bool) -> (usize, Event) {
+        let deadline = Instant::now() + GUARD;
+        let (lock, changed) = &*self.stream;
+        let mut stream = lock.lock().unwrap();
+        loop {
+            let found = stream
+                .events
+                .iter()
+                .enumerate()
+                .skip(from)
+                .find(|(_, e)| e.kind() == kind && check(e));
+            if let Some((i, e)) = found {
+                return (i, e.clone());
+            }
+            let now = Instant::now();
+            if stream.closed || now >= deadline {
+                let printed: Vec<String> =
+                    stream.events.iter().map(|e| e.json.to_string()).collect();
+                drop(stream);
+                panic!(
+                    "{}: no {kind:?} event from #{from} ({}); stdout: {printed:#?}; stderr: {}",
+                    self.guard.name,
+                    if now >= deadline { "timed out" } else { "stdout closed" },
+                    self.stderr()
+                );
+            }
+            stream = changed.wait_timeout(stream, deadline - now).unwrap().0;
+        }
+    }
+
+    fn acquired(&self) -> Event {
+        self.wait_for(0, "acquired", |_| true).1
+    }
+
+    /// Waits for `n` more `write` events after index `from`; returns the index of the last.
+    fn writes(&self, from: usize, n: usize) -> usize {
+        let mut at = from;
+        for _ in 0..n {
+            at = self.wait_for(at + 1, "write", |_| true).0;
+        }
+        at
+    }
+
+    fn exit_code(&mut self) -> Option<i32> {
+        let status = self.guard.wait_exit(GUARD).unwrap_or_else(|| {
+            panic!("{} did not exit; stderr: {}", self.guard.name, self.stderr())
+        });
+        status.code()
+    }
+
+    /// `signal` (INT or TERM), then the `released` event and exit 0: a clean, releasing
+    /// shutdown.
+    fn stop(mut self, signal: &str, epoch: i64) {
+        self.guard.signal(signal);
+        let code = self.exit_code();
+        let events = self.events();
+        let last = events.last().map(|e| e.json.clone());
+        assert_eq!(code, Some(0), "{}: {events:?}; stderr: {}", self.guard.name, self.stderr());
+        assert_eq!(last, Some(serde_json::json!({ "event": "released", "epoch": epoch })));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Database probes
+// ---------------------------------------------------------------------------------------------
+
+/// Runs one query on `config` (a fresh connection each time; tests are synchronous).
+fn query(config: &tokio_postgres::Config, sql: &str) -> Vec<tokio_postgres::Row> {
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let (client, connection) = config.connect(NoTls).await.expect("probe connection");
+        let connection = tokio::spawn(connection);
+        let rows = client.query(sql, &[]).await.expect(sql);
+        drop(client);
+        let _ = connection.await;
+        rows
+    })
+}
+
+/// Every row of the KV table as `(key, epoch column, value)`, sorted by key.
+fn rows(config: &tokio_postgres::Config, table: &str) -> Vec<(String, i64, Value)> {
+    query(config, &format!("SELECT key, epoch, value FROM \"{table}\" ORDER BY key"))
+        .iter()
+        .map(|row| {
+            let value: Vec<u8> = row.get(2);
+            (row.get(0), row.get(1), serde_json::from_slice(&value).expect("a counter value"))
+        })
+        .collect()
+}
+
+fn counter_row(config: &tokio_postgres::Config, table: &str, key: &str) -> (i64, Value) {
+    let all = rows(config, table);
+    let (_, epoch, value) = all.into_iter().find(|(k, _, _)| k == key).expect("counter row");
+    (epoch, value)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The six failover scenarios of issue 3
+// ---------------------------------------------------------------------------------------------
+
+/// Scenario 1: A holds; B's `hold` without `--wait` exits 3 naming A, and so does a `put`.
+#[test]
+fn contention_exits_3_and_names_the_holder() {
+    let (url, table) = (server().url(), unique_name("cli_contend"));
+    let a = Holder::spawn("A", &url, &table, &["--ttl", "30"]);
+    let epoch = a.acquired().int("epoch");
+
+    let b = run(&url, &table, &["hold"], None);
+    b.expect(3, "B hold");
+    assert!(b.stderr.contains("held by") && b.stderr.contains(&format!(" {}@", a.pid())), "{b:?}");
+    let put = run(&url, &table, &["put", "n", "s", "k", "v"], None);
+    put.expect(3, "put while held");
+    assert!(put.stderr.contains(&format!(" {}@", a.pid())), "{put:?}");
+
+    // A standby stopped while it waits leaves quietly, never having held the lease.
+    let mut w = Holder::spawn("W", &url, &table, &["--ttl", "30", "--wait"]);
+    w.wait_for(0, "waiting", |e| e.int("epoch") == epoch);
+    w.guard.signal("TERM");
+    assert_eq!(w.exit_code(), Some(0), "{}", w.stderr());
+    assert!(w.events().iter().all(|e| e.kind() == "waiting"), "{:?}", w.events());
+
+    a.stop("INT", epoch);
+    run(&url, &table, &["put", "n", "s", "k", "v"], None).expect(0, "put once released");
+}
+
+/// Scenario 2: A holds and writes every 20 ms; B stands by; `kill -9` A: B acquires within
+/// TTL + 1 s of the kill, with epoch + 1, and goes on counting from the store.
+#[test]
+fn crash_takeover_within_ttl() {
+    const TTL: Duration = Duration::from_secs(6);
+    let (url, table) = (server().url(), unique_name("cli_crash"));
+    let args = ["--ttl", "6", "--write-every", "20", "--counter-key", "counter"];
+    let mut a = Holder::spawn("A", &url, &table, &args);
+    let a_epoch = a.acquired().int("epoch");
+    a.writes(0, 5);
+    let b = Holder::spawn("B", &url, &table, &[&["--wait"][..], &args[..]].concat());
+    b.wait_for(0, "waiting", |e| e.int("epoch") == a_epoch);
+
+    let killed = Instant::now();
+    a.guard.signal("KILL");
+    assert_eq!(a.exit_code(), None, "killed by a signal");
+    let acquired = b.acquired();
+    let took = acquired.at - killed;
+    println!("crash takeover: B acquired {took:?} after kill -9 of A (TTL {TTL:?})");
+    assert!(took < TTL + Duration::from_secs(1), "takeover took {took:?}");
+    let b_epoch = acquired.int("epoch");
+    assert_eq!(b_epoch, a_epoch + 1);
+
+    // B rebuilt the counter from the store: it never goes back, and the row carries B's epoch.
+    let a_last =
+        a.events().iter().rev().find(|e| e.kind() == "write").expect("A wrote").int("counter");
+    let (i, first) = b.wait_for(0, "write", |_| true);
+    assert!(first.int("counter") > a_last, "{first:?} after A's {a_last}");
+    b.writes(i, 3);
+    let (epoch, value) = counter_row(&server().config(), &table, "counter");
+    assert_eq!((epoch, value["epoch"].as_i64()), (b_epoch, Some(b_epoch)));
+    b.stop("TERM", b_epoch);
+}
+
+/// Scenario 3: SIGTERM to the holder: the standby acquires well before the TTL could have expired.
+#[test]
+fn graceful_handoff_is_fast() {
+    // The standby's waiting event comes from a look at the lease just taken: without the
+    // release's NOTIFY it would sleep for the rest of that lease, at least 2/3 of the TTL.
+    const TTL: Duration = Duration::from_secs(10);
+    let (url, table) = (server().url(), unique_name("cli_handoff"));
+    let b = Holder::spawn("B", &url, &table, &["--ttl", "10"]);
+    let b_epoch = b.acquired().int("epoch");
+    let c = Holder::spawn("C", &url, &table, &["--ttl", "10", "--wait"]);
+    c.wait_for(0, "waiting", |e| e.int("epoch") == b_epoch);
+
+    let terminated = Instant::now();
+    b.stop("TERM", b_epoch);
+    let acquired = c.acquired();
+    let handoff = acquired.at - terminated;
+    println!("graceful handoff: C acquired {handoff:?} after SIGTERM to B (TTL {TTL:?})");
+    assert!(handoff < TTL / 2, "handoff took {handoff:?}");
+    assert_eq!(acquired.int("epoch"), b_epoch + 1);
+    c.stop("TERM", b_epoch + 1);
+}
+
+/// Scenario 4: C holds and writes; SIGSTOP C for longer than the TTL; D acquires and writes;
+/// SIGCONT C: C reports the loss and exits 5, and no row of C's epoch changed after D's
+/// acquisition.
+#[test]
+fn stale_owner_is_fenced_and_exits_5() {
+    const TTL: Duration = Duration::from_secs(6);
+    let (url, table, db) = (server().url(), unique_name("cli_stale"), server().config());
+    let mut c = Holder::spawn(
+        "C",
+        &url,
+        &table,
+        &["--ttl", "6", "--write-every", "20", "--counter-key", "stale/c/counter"],
+    );
+    let c_epoch = c.acquired().int("epoch");
+    c.writes(0, 5);
+    let d = Holder::spawn(
+        "D",
+        &url,
+        &table,
+        &["--ttl", "6", "--wait", "--write-every", "20", "--counter-key", "stale/d/counter"],
+    );
+    d.wait_for(0, "waiting", |e| e.int("epoch") == c_epoch);
+
+    let stopped = Instant::now();
+    c.guard.signal("STOP");
+    let d_epoch = d.acquired().int("epoch");
+    assert_eq!(d_epoch, c_epoch + 1);
+    let (i, _) = d.wait_for(0, "write", |_| true);
+    d.writes(i, 3);
+    // Everything C committed: its own key, with its epoch in the column and in the value.
+    let before = rows(&db, &table);
+    let of_c: Vec<_> = before.iter().filter(|(_, epoch, _)| *epoch == c_epoch).cloned().collect();
+    assert_eq!(of_c.len(), 1, "{before:?}");
+    assert_eq!(of_c[0].2["epoch"].as_i64(), Some(c_epoch));
+    if let Some(rest) = (TTL + Duration::from_millis(500)).checked_sub(stopped.elapsed()) {
+        thread::sleep(rest); // Stopped for longer than the TTL, whatever D's timing.
+    }
+
+    let printed_before_cont = c.events().len();
+    c.guard.signal("CONT");
+    assert_eq!(c.exit_code(), Some(5), "C: {:?}; stderr: {}", c.events(), c.stderr());
+    let (at, lost) = c.wait_for(0, "lost", |_| true);
+    assert_eq!(lost.int("epoch"), c_epoch);
+    assert_eq!(at, c.events().len() - 1, "lost is C's last word: {:?}", c.events());
+    assert!(c.stderr().contains("lease lost"), "{}", c.stderr());
+    let after_cont: Vec<String> =
+        c.events()[printed_before_cont..].iter().map(|e| e.json.to_string()).collect();
+    println!("stale owner: C stopped {:?}, then printed {after_cont:?}", stopped.elapsed());
+
+    let after = rows(&db, &table);
+    let of_c_after: Vec<_> =
+        after.iter().filter(|(_, epoch, _)| *epoch == c_epoch).cloned().collect();
+    assert_eq!(of_c_after, of_c, "a write of C's epoch committed after D took over");
+    assert!(after.iter().all(|(_, epoch, _)| *epoch <= d_epoch), "{after:?}");
+    // D never noticed anything and goes on writing.
+    let (j, _) = d.wait_for(0, "write", |_| true);
+    d.writes(j, 3);
+    assert!(d.events().iter().all(|e| e.kind() != "lost"), "{:?}", d.events());
+    d.stop("TERM", d_epoch);
+}
+
+/// Scenario 5: a restart of the database (pg_ctl restart) shorter than the local deadline while
+/// A holds: A keeps its lease and its epoch, and keeps writing.
+#[test]
+fn database_restart_within_the_deadline_keeps_the_lease() {
+    // TTL 30 s: renewal every 10 s, local deadline 20 s, far above a restart even on a loaded
+    // machine.
+    const TTL: Duration = Duration::from_secs(30);
+    const DEADLINE: Duration = Duration::from_secs(20);
+    let cluster = TestCluster::start().expect("a private cluster to restart");
+    let (url, table) = (cluster.url(), unique_name("cli_restart"));
+    let mut a = Holder::spawn(
+        "A",
+        &url,
+        &table,
+        &["--ttl", "30", "--write-every", "20", "--counter-key", "counter"],
+    );
+    let epoch = a.acquired().int("epoch");
+    let before = a.writes(0, 5);
+
+    let started = Instant::now();
+    cluster.restart().expect("restart");
+    let restarted = Instant::now();
+    println!("database restart took {:?}", restarted - started);
+    assert!(restarted - started < DEADLINE, "the restart must be shorter than the deadline");
+    let printed = a.events().len();
+    let mut last = a.writes((printed - 1).max(before), 10);
+
+    // A renewal after the restart: the expiry lies beyond where any renewal before it could
+    // have put it (expires_in + time since the restart > TTL). Renewal runs every TTL/3.
+    let status = loop {
+        let since = restarted.elapsed();
+        let status = run(&url, &table, &["status", "--json"], None);
+        let status: Value = serde_json::from_slice(&status.expect(0, "status").stdout).unwrap();
+        assert_eq!(status["state"], "held", "{status}");
+        assert_eq!(status["epoch"].as_i64(), Some(epoch), "{status}");
+        let expires_in = Duration::from_millis(status["expires_in_ms"].as_u64().unwrap_or(0));
+        if expires_in + since > TTL {
+            break status;
+        }
+        assert!(since < GUARD, "no renewal after the restart: {status}");
+        thread::sleep(Duration::from_millis(500));
+    };
+    let holder = status["holder"].as_str().unwrap_or("");
+    assert!(holder.contains(&format!(" {}@", a.pid())), "{status}");
+    last = a.writes(last, 10);
+
+    let events = a.events();
+    assert!(events.iter().all(|e| e.kind() != "lost"), "{events:?}");
+    let writes = events[..=last].iter().filter(|e| e.kind() == "write");
+    assert!(writes.clone().all(|e| e.int("epoch") == epoch), "{events:?}");
+    let counters: Vec<i64> = writes.map(|e| e.int("counter")).collect();
+    assert!(counters.windows(2).all(|w| w[1] == w[0] + 1), "{counters:?}");
+    assert_eq!(a.guard.child.try_wait().expect("try_wait"), None, "A is still running");
+    let (row_epoch, value) = counter_row(&cluster.config(), &table, "counter");
+    assert_eq!((row_epoch, value["epoch"].as_i64()), (epoch, Some(epoch)));
+    let stderr = a.stderr();
+    if !stderr.is_empty() {
+        println!("A's stderr around the restart:\n{stderr}");
+    }
+    a.stop("TERM", epoch);
+}
+
+/// Scenario 6: `release --force --yes` against a live holder: the holder finds the loss at its
+/// next renewal (it does not write), exits 5, and a standby acquires.
+#[test]
+fn force_release_fences_a_live_holder() {
+    let (url, table) = (server().url(), unique_name("cli_force"));
+    let mut a = Holder::spawn("A", &url, &table, &["--ttl", "6"]);
+    let a_epoch = a.acquired().int("epoch");
+    let b = Holder::spawn("B", &url, &table, &["--ttl", "6", "--wait"]);
+    b.wait_for(0, "waiting", |e| e.int("epoch") == a_epoch);
+
+    let released = run(&url, &table, &["release", "--force", "--yes"], None);
+    released.expect(0, "release --force --yes");
+    let said = released.stdout();
+    assert!(
+        said.contains(&format!(" {}@", a.pid())) && said.contains(&format!("epoch {a_epoch}")),
+        "{said}"
+    );
+
+    assert_eq!(a.exit_code(), Some(5), "A: {:?}; stderr: {}", a.events(), a.stderr());
+    let (at, lost) = a.wait_for(0, "lost", |_| true);
+    assert_eq!(lost.int("epoch"), a_epoch);
+    assert_eq!(at, a.events().len() - 1, "lost is A's last word: {:?}", a.events());
+    let b_epoch = b.acquired().int("epoch");
+    assert_eq!(b_epoch, a_epoch + 1);
+    b.stop("TERM", b_epoch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One-shot commands and exit codes
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn one_shot_commands_round_trip() {
+    let (url, table) = (server().url(), unique_name("cli_oneshot"));
+    let free = run(&url, &table, &["status"], None);
+    assert_eq!(free.expect(0, "status").stdout(), "free (never held)\n");
+    let json: Value =
+        serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
+    assert_eq!(json, serde_json::json!({ "state": "free", "epoch": null }));
+
+    run(&url, &table, &["put", "app", "cfg", "greeting", "hello"], None).expect(0, "put VALUE");
+    let binary = b"\x00\xffbinary\n".to_vec();
+    run(&url, &table, &["put", "app", "cfg", "blob", "-"], Some(&binary)).expect(0, "put -");
+    run(&url, &table, &["put", "", "", "top", "-5"], None).expect(0, "put, empty namespaces");
+    assert_eq!(
+        run(&url, &table, &["get", "app", "cfg", "greeting"], None).expect(0, "get").stdout,
+        b"hello"
+    );
+    assert_eq!(
+        run(&url, &table, &["get", "app", "cfg", "blob"], None).expect(0, "get").stdout,
+        binary
+    );
+    assert_eq!(run(&url, &table, &["get", "", "", "top"], None).expect(0, "get").stdout, b"-5");
+    assert_eq!(
+        run(&url, &table, &["ls", "app", "cfg"], None).expect(0, "ls").stdout(),
+        "blob\ngreeting\n"
+    );
+
+    let status: Value =
+        serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
+    assert_eq!(
+        status,
+        serde_json::json!({ "state": "free", "epoch": 3 }),
+        "each put took and released the lease"
+    );
+
+    // Export to a file, import into a fresh table, export again: the same lines.
+    let dir = std::env::temp_dir().join(unique_name("cli_export"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("rows.jsonl");
+    run(&url, &table, &["export", "--out", file.to_str().unwrap()], None).expect(0, "export");
+    let exported = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(exported.lines().count(), 3, "{exported}");
+    let copy = unique_name("cli_import");
+    let imported = run(&url, &copy, &["import", "--in", file.to_str().unwrap()], None);
+    assert_eq!(imported.expect(0, "import").stdout(), "imported 3 keys\n");
+    let again = run(&url, &copy, &["export"], None);
+    assert_eq!(again.expect(0, "export").stdout(), exported);
+    assert_eq!(run(&url, &copy, &["get", "app", "cfg", "blob"], None).stdout, binary);
+    // Import from stdin, too; bad input changes nothing (exit 2, before taking the lease).
+    let piped = run(&url, &copy, &["import"], Some(exported.as_bytes()));
+    piped.expect(0, "import from stdin");
+    let bad = format!("{exported}{{\"primary_namespace\":\"x\"}}\n");
+    run(&url, &copy, &["import"], Some(bad.as_bytes())).expect(2, "import of bad input");
+    let bad_key = exported.replace("\"key\":\"blob\"", "\"key\":\"not a key\"");
+    run(&url, &copy, &["import"], Some(bad_key.as_bytes())).expect(2, "import of an invalid key");
+    assert_eq!(run(&url, &copy, &["export"], None).stdout(), exported);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    run(&url, &table, &["rm", "app", "cfg", "greeting"], None).expect(0, "rm");
+    run(&url, &table, &["rm", "app", "cfg", "greeting"], None).expect(0, "rm of a missing key");
+    let missing = run(&url, &table, &["get", "app", "cfg", "greeting"], None);
+    missing.expect(4, "get of a removed key");
+    assert!(missing.stdout.is_empty() && missing.stderr.contains("not found"), "{missing:?}");
+    assert_eq!(run(&url, &table, &["ls", "app", "cfg"], None).stdout(), "blob\n");
+    assert_eq!(run(&url, &table, &["ls", "no", "such"], None).expect(0, "ls").stdout(), "");
+    run(&url, &table, &["release", "--force", "--yes"], None).expect(0, "release, nobody holds it");
+}
+
+#[test]
+fn usage_and_config_errors_exit_2() {
+    let (url, table) = (server().url(), unique_name("cli_usage"));
+    let help = run(&url, &table, &["--help"], None);
+    let text = help.expect(0, "--help").stdout();
+    for code in ["0  ok", "2  usage", "3  lease held", "4  key not found", "5  lease lost", "TLS"] {
+        assert!(text.contains(code), "--help documents {code:?}: {text}");
+    }
+    let cases: &[&[&str]] = &[
+        &["frobnicate"],
+        &["get", "a", "b"],
+        &["status", "--bogus"],
+        &["release"],
+        &["release", "--force"],
+        &["release", "--yes"],
+        &["hold", "--write-every", "20"],
+        &["hold", "--counter-key", "k"],
+        &["hold", "--ttl", "soon"],
+        &["hold", "--ttl", "0"],
+        &["get", "a", "b", "not a key"],
+        &["put", "a", "b", "c/d", "v"],
+        &["ls", "", "b"],
+        &["hold", "--write-every", "20", "--counter-key", "a/b"],
+    ];
+    for args in cases {
+        run(&url, &table, args, None).expect(2, &format!("{args:?}"));
+    }
+    run(&url, "not a table", &["status"], None).expect(2, "invalid --table");
+    run("postgres://[::1", &table, &["status"], None).expect(2, "unparsable URL");
+
+    let no_url = run("", &table, &["status"], None);
+    no_url.expect(2, "neither --database-url nor DATABASE_URL");
+    assert!(no_url.stderr.contains("DATABASE_URL"), "{no_url:?}");
+
+    // Unreachable server: exit 1, one line with the cause.
+    let refused =
+        run("postgres://postgres@127.0.0.1:1/postgres", &table, &["get", "a", "b", "c"], None);
+    refused.expect(1, "unreachable server");
+    assert!(refused.stderr.contains("onnection refused"), "{refused:?}");
+}
