@@ -163,7 +163,9 @@ impl PgKvStore {
     /// out of the pool for good (the pool then opens a replacement when needed, so the renewal
     /// connection comes on top of the pool's maximum); its I/O runs on the runtime that created
     /// it. Notifications cannot be received through a pooled connection, so a standby on a pool
-    /// polls instead of listening. `close()` leaves the pool open. For renewal fully independent of the application's runtime,
+    /// polls instead of listening. `close()` leaves the pool open. Dropping such a store inside a
+    /// current-thread runtime cannot release the lease (the renewal connection's I/O needs the
+    /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For renewal fully independent of the application's runtime,
     /// use [`PgKvStore::builder`] or [`PgKvStore::builder_from_config`].
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
