@@ -174,6 +174,17 @@ pub struct KeyPath {
     pub key: String,
 }
 
+impl KeyPath {
+    /// The three names of a key.
+    pub fn new(primary_namespace: &str, secondary_namespace: &str, key: &str) -> KeyPath {
+        KeyPath {
+            primary_namespace: primary_namespace.to_owned(),
+            secondary_namespace: secondary_namespace.to_owned(),
+            key: key.to_owned(),
+        }
+    }
+}
+
 impl fmt::Display for KeyPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}/{}", self.primary_namespace, self.secondary_namespace, self.key)

@@ -263,11 +263,11 @@ impl Inspector {
             .unwrap_or_default();
         match rows.first() {
             Some(row) => Ok(row.get(0)),
-            None => Err(Error::NotFound(Box::new(KeyPath {
-                primary_namespace: primary_namespace.to_owned(),
-                secondary_namespace: secondary_namespace.to_owned(),
-                key: key.to_owned(),
-            }))),
+            None => Err(Error::NotFound(Box::new(KeyPath::new(
+                primary_namespace,
+                secondary_namespace,
+                key,
+            )))),
         }
     }
 

@@ -191,11 +191,11 @@ impl PgKvStore {
                 .await?;
             match rows.first() {
                 Some(row) => Ok(row.get(0)),
-                None => Err(Error::NotFound(Box::new(KeyPath {
-                    primary_namespace: primary_namespace.to_owned(),
-                    secondary_namespace: secondary_namespace.to_owned(),
-                    key: key.to_owned(),
-                }))),
+                None => Err(Error::NotFound(Box::new(KeyPath::new(
+                    primary_namespace,
+                    secondary_namespace,
+                    key,
+                )))),
             }
         }
         .instrument(span)
@@ -217,7 +217,9 @@ impl PgKvStore {
             .and_then(|()| inner.check_value(&value))
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("write", primary_namespace, secondary_namespace, key);
-        detached(async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span))
+        detached(
+            async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span),
+        )
     }
 
     /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
@@ -371,7 +373,6 @@ impl PgKvStore {
             }
         }
     }
-
 }
 
 impl KvStore for PgKvStore {
@@ -426,11 +427,7 @@ impl Inner {
         secondary_namespace: &str,
         key: &str,
     ) -> Ticket {
-        self.order.ticket(KeyPath {
-            primary_namespace: primary_namespace.to_owned(),
-            secondary_namespace: secondary_namespace.to_owned(),
-            key: key.to_owned(),
-        })
+        self.order.ticket(KeyPath::new(primary_namespace, secondary_namespace, key))
     }
 
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
@@ -623,8 +620,10 @@ impl Inner {
                     return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
                 }
                 Err(_) => {
-                    tracing::error!(pid = backend.pid,
-                        "pgfence session of a write with an unknown outcome did not end in time");
+                    tracing::error!(
+                        pid = backend.pid,
+                        "pgfence session of a write with an unknown outcome did not end in time"
+                    );
                     return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
                 }
             }

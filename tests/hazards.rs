@@ -35,22 +35,9 @@ async fn slow_trigger(table: &str, seconds: u32) {
 
 /// Waits until a write to `table` sleeps in `pg_sleep` (the slow trigger).
 async fn wait_for_sleeper(table: &str) {
-    let db = admin().await;
     let pattern = format!("%INSERT INTO \"{table}\"%");
-    within("slow statement running", async {
-        while db
-            .query(
-                "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE $1",
-                &[&pattern],
-            )
-            .await
-            .unwrap()
-            .is_empty()
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE $1";
+    common::wait_for_row("slow statement running", sql, &[&pattern]).await
 }
 
 /// Makes the store's pool open `n` connections (writes held up together by a lock on the lease
@@ -58,10 +45,7 @@ async fn wait_for_sleeper(table: &str) {
 /// one connection would run in order anyway and hide an ordering bug.
 async fn warm_pool(store: &PgKvStore, table: &str, n: usize) {
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR UPDATE", lease_table(table)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut blocker, table, "FOR UPDATE").await;
     let writes: Vec<_> =
         (0..n).map(|i| tokio::spawn(store.write("warm", "s", &format!("w{i}"), vec![]))).collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -120,9 +104,11 @@ async fn dropped_write_future_cannot_overwrite_a_later_call() {
     store.write("d", "s", "k", b"first".to_vec()).await.unwrap();
     warm_pool(&store, &t, 4).await;
     slow_trigger(&t, 2).await;
-    let timed_out =
-        tokio::time::timeout(Duration::from_millis(300), store.write("d", "s", "k", b"slow".to_vec()))
-            .await;
+    let timed_out = tokio::time::timeout(
+        Duration::from_millis(300),
+        store.write("d", "s", "k", b"slow".to_vec()),
+    )
+    .await;
     assert!(timed_out.is_err(), "the slow write was still running when its future was dropped");
     store.write("d", "s", "k", b"later".to_vec()).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -145,10 +131,7 @@ async fn write_that_waited_past_the_expiry_writes_nothing() {
         .unwrap();
     // FOR UPDATE blocks the writers' FOR KEY SHARE and the renewal alike.
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR UPDATE", lease_table(&t)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut blocker, &t, "FOR UPDATE").await;
     let write = tokio::spawn(store.write("s", "s", "k", b"late".to_vec()));
     let db = admin().await;
     within("database expiry", async {
@@ -214,9 +197,7 @@ async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
     store.write("h", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
     let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[])
-        .await
-        .unwrap();
+    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
     let hung = tokio::spawn(store.write("h", "s", "k", b"hung".to_vec()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let e = within("close", store.close()).await.unwrap_err();
@@ -247,10 +228,7 @@ async fn renewal_loss_releases_at_once() {
         .unwrap();
     let mut state = store.lease_state();
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
     within("loss", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
     tx.rollback().await.unwrap(); // Lets the release through (it waits at most 2 s).
     let db = admin().await;
@@ -269,7 +247,10 @@ async fn renewal_loss_releases_at_once() {
 /// Generic code gets `'static` futures from the trait too, not only from the inherent methods.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trait_write_futures_are_static_for_generic_callers() {
-    fn spawn_write<S: pgfence::KvStore>(store: &S, key: String) -> tokio::task::JoinHandle<pgfence::Result<()>> {
+    fn spawn_write<S: pgfence::KvStore>(
+        store: &S,
+        key: String,
+    ) -> tokio::task::JoinHandle<pgfence::Result<()>> {
         tokio::spawn(store.write("g", "s", &key, b"v".to_vec()))
     }
     let store = builder(&table("generic")).open().await.unwrap();

@@ -219,20 +219,14 @@ async fn lease_row_locks_fence_owner_changes_but_not_writes() {
 
     // FOR NO KEY UPDATE (what renewal takes) does not block writes.
     let mut holder = admin().await;
-    let tx = holder.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut holder, &t, "FOR NO KEY UPDATE").await;
     within("write beside FOR NO KEY UPDATE", store.write("l", "s", "k", b"1".to_vec()))
         .await
         .unwrap();
     tx.rollback().await.unwrap();
 
     // FOR KEY SHARE (what every write takes) makes an owner change wait until it commits.
-    let tx = holder.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR KEY SHARE", lease_table(&t)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut holder, &t, "FOR KEY SHARE").await;
     let taker = admin().await;
     let taker_pid: i32 = taker.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
     let sql = format!("UPDATE {} SET owner_id = gen_random_uuid() WHERE id = 1", lease_table(&t));
@@ -244,25 +238,10 @@ async fn lease_row_locks_fence_owner_changes_but_not_writes() {
     drop(store); // Its lease was taken: the drop must not touch the new owner's row.
 }
 
-/// Waits until backend `pid` is blocked on a lock (not a timing guess: asks the server).
+/// Waits until backend `pid` is blocked on a lock.
 async fn wait_for_lock_wait(pid: i32) {
-    let db = admin().await;
-    within("lock wait", async {
-        loop {
-            let waiting = db
-                .query_opt(
-                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
-                    &[&pid],
-                )
-                .await
-                .unwrap();
-            if waiting.is_some() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'";
+    common::wait_for_row("lock wait", sql, &[&pid]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,23 +348,8 @@ async fn in_flight_write_fences_the_takeover() {
 
 /// Waits until some backend running a query matching `pattern` (SQL LIKE) waits on a lock.
 async fn wait_for_query_lock_wait(pattern: &str) {
-    let db = admin().await;
-    within("lock wait", async {
-        loop {
-            let waiting = db
-                .query_opt(
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-                    &[&pattern],
-                )
-                .await
-                .unwrap();
-            if waiting.is_some() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    common::wait_for_row("lock wait", sql, &[&pattern]).await
 }
 
 /// Renewal blocked past the local deadline: the store fails closed while the database still
@@ -403,10 +367,7 @@ async fn blocked_renewal_fails_closed_before_database_expiry() {
     let mut state = store.lease_state();
     // FOR NO KEY UPDATE conflicts with renewal's UPDATE but not with writes.
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 FOR NO KEY UPDATE", lease_table(&t)), &[])
-        .await
-        .unwrap();
+    let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
     within("deadline", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
     assert_eq!(*state.borrow(), LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed });
     let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;

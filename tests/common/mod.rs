@@ -84,3 +84,34 @@ pub const HANG_GUARD: Duration = Duration::from_secs(60);
 pub async fn within<F: std::future::Future>(what: &str, fut: F) -> F::Output {
     tokio::time::timeout(HANG_GUARD, fut).await.unwrap_or_else(|_| panic!("{what} hung"))
 }
+
+/// Begins a transaction on `client` that holds the lease row of `table` with the row lock
+/// `mode` (`FOR UPDATE`, `FOR NO KEY UPDATE`, `FOR KEY SHARE`), to block exactly what that mode
+/// conflicts with. Roll it back or commit it to let go.
+pub async fn lock_lease_row<'a>(
+    client: &'a mut tokio_postgres::Client,
+    table: &str,
+    mode: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let tx = client.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 {mode}", lease_table(table)), &[])
+        .await
+        .unwrap();
+    tx
+}
+
+/// Polls `sql` until it returns a row (asks the server; never a timing guess), failing the test
+/// after [`HANG_GUARD`].
+pub async fn wait_for_row(
+    what: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) {
+    let db = admin().await;
+    within(what, async {
+        while db.query(sql, params).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
