@@ -5,8 +5,9 @@
 //! it, and the release on drop never depends on the caller's runtime (dropping a store inside a
 //! current-thread runtime would otherwise deadlock on its own I/O).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_postgres::NoTls;
@@ -46,14 +47,13 @@ pub(crate) struct Lease {
     pub(crate) table: String,
     /// How long after the start of a confirmed renewal the lease is still trusted locally.
     deadline_after: Duration,
-    /// The local deadline: the start of the last confirmed renewal (or acquisition) plus
-    /// `deadline_after`. The database's expiry is later than this, since the statement that set
-    /// it started after that instant and added the full TTL. Kept on two clocks: the monotonic
-    /// clock does not advance while the machine is suspended (a resumed laptop or VM would
-    /// trust a long-expired lease), the wall clock does but may be set back; the deadline has
-    /// passed when either says so.
-    deadline: Mutex<(Instant, SystemTime)>,
+    /// The local deadline, on [`clock`]: the start of the last confirmed renewal (or
+    /// acquisition) plus `deadline_after`. The database's expiry is later than this, since the
+    /// statement that set it started after that instant and added the full TTL.
+    deadline: Mutex<Duration>,
     lost: OnceLock<LossReason>,
+    /// Set once the lease was given up: nothing is lost any more, later failures are `Closed`.
+    given_up: AtomicBool,
     state: watch::Sender<LeaseState>,
     policy: LeaseLossPolicy,
 }
@@ -63,7 +63,7 @@ impl Lease {
         owner_id: Uuid,
         epoch: i64,
         table: String,
-        acquire_started: (Instant, SystemTime),
+        acquire_started: Duration,
         deadline_after: Duration,
         policy: LeaseLossPolicy,
     ) -> Lease {
@@ -72,8 +72,9 @@ impl Lease {
             epoch,
             table,
             deadline_after,
-            deadline: Mutex::new((acquire_started.0 + deadline_after, acquire_started.1 + deadline_after)),
+            deadline: Mutex::new(acquire_started + deadline_after),
             lost: OnceLock::new(),
+            given_up: AtomicBool::new(false),
             state: watch::Sender::new(LeaseState::Held { epoch }),
             policy,
         }
@@ -83,12 +84,10 @@ impl Lease {
         self.state.subscribe()
     }
 
-    /// Time left until the local deadline; zero once it has passed on either clock.
+    /// Time left until the local deadline; zero once it has passed.
     fn remaining(&self) -> Duration {
-        let (instant, system) = *self.deadline.lock().unwrap_or_else(|e| e.into_inner());
-        let by_instant = instant.saturating_duration_since(Instant::now());
-        let by_system = system.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
-        by_instant.min(by_system)
+        let deadline = *self.deadline.lock().unwrap_or_else(|e| e.into_inner());
+        deadline.saturating_sub(clock())
     }
 
     /// Ok while the lease is neither lost nor past its local deadline. Every operation calls
@@ -117,8 +116,12 @@ impl Lease {
     }
 
     /// Marks the lease lost, applies the loss policy and returns the error to hand to the
-    /// caller.
+    /// caller. After the lease was given up (close, drop) there is nothing to lose: an
+    /// operation still running then gets `Closed`, and the state stays `Released`.
     pub(crate) fn fail(&self, reason: LossReason) -> Error {
+        if self.given_up.load(Ordering::SeqCst) {
+            return Error::Closed;
+        }
         self.lose(reason);
         self.enforce_policy()
     }
@@ -138,20 +141,39 @@ impl Lease {
         }
     }
 
-    /// A renewal that started at `started` was confirmed by the database.
-    fn confirmed(&self, started: (Instant, SystemTime)) {
+    /// A renewal that started at `started` (on [`clock`]) was confirmed by the database.
+    fn confirmed(&self, started: Duration) {
         // Never revive a lost lease: loss is permanent even if a late renewal succeeds.
         if !self.is_lost() {
             *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) =
-                (started.0 + self.deadline_after, started.1 + self.deadline_after);
+                started + self.deadline_after;
         }
     }
 
     fn released(&self) {
+        self.given_up.store(true, Ordering::SeqCst);
         if !self.is_lost() {
             tracing::info!(table = %self.table, epoch = self.epoch, "pgfence lease released");
             self.state.send_replace(LeaseState::Released { epoch: self.epoch });
         }
+    }
+}
+
+/// The clock of the local deadline: time since boot, counting time the machine spent suspended
+/// (Linux `CLOCK_BOOTTIME`). std's monotonic clock stops during a suspend, so a resumed laptop
+/// or VM would trust a lease that expired long ago; the wall clock counts the suspend but can
+/// be stepped (NTP), which would fail a healthy lease or extend a lost one. Elsewhere than
+/// Linux, the monotonic clock.
+pub(crate) fn clock() -> Duration {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+        Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        static BASE: OnceLock<Instant> = OnceLock::new();
+        BASE.get_or_init(Instant::now).elapsed()
     }
 }
 
@@ -294,17 +316,28 @@ impl Keeper {
 /// applies the loss policy, then waits for the store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
     let retry_every = config.renew_interval.min(Duration::from_secs(1));
+    let mut state = lease.subscribe();
     let mut session: Option<Session> = None;
     let mut released = false;
     let mut next = Instant::now() + config.renew_interval;
     let reply = loop {
+        if lease.is_lost() && !released {
+            // Lost, whoever found it (an operation or renewal): give the row up now, by owner
+            // id, so a standby need not wait out the TTL. Never renew again.
+            let quick = config.release_timeout.min(Duration::from_secs(2));
+            released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+        }
         let wake = if lease.is_lost() { None } else { Some(next) };
         tokio::select! {
             biased;
             reply = stop.recv() => break reply,
+            changed = state.changed(), if !lease.is_lost() => {
+                let _ = changed; // The sender lives in `lease`, held here: never closed.
+                continue;
+            }
             _ = sleep_until(wake) => {}
         }
-        let started = (Instant::now(), SystemTime::now());
+        let started = (Instant::now(), clock());
         let left = lease.remaining();
         let lost = if left.is_zero() {
             Some(LossReason::DeadlinePassed)
@@ -317,7 +350,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
             };
             match outcome {
                 Ok(Ok(true)) => {
-                    lease.confirmed(started);
+                    lease.confirmed(started.1);
                     tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
                     next = started.0 + config.renew_interval;
                     None

@@ -23,11 +23,11 @@ pub use batch::Batch;
 pub use config::{Builder, LeaseLossPolicy};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;
-/// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
-pub use tokio_postgres;
-pub use failover::{Inspector, Standby, StandbyState};
 pub use error::{Error, KeyPath, LossReason, Result};
+pub use failover::{Inspector, Standby, StandbyState};
 pub use keys::MAX_KEY_LEN;
 pub use lease::LeaseState;
 pub use schema::LeaseInfo;
 pub use store::{KvStore, Page, PageToken, PgKvStore};
+/// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
+pub use tokio_postgres;

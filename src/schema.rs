@@ -1,7 +1,7 @@
 //! The setup transaction: serialize, create or migrate the schema, take the lease; all or
 //! nothing.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
@@ -20,9 +20,9 @@ pub(crate) fn latest_version() -> i32 {
 pub(crate) struct Acquired {
     pub(crate) owner_id: Uuid,
     pub(crate) epoch: i64,
-    /// When the acquiring statement was sent, on the monotonic and the wall clock: the local
-    /// deadline counts from here, which is before the database computed the expiry.
-    pub(crate) started: (Instant, SystemTime),
+    /// When the acquiring statement was sent, on the deadline's clock: the local deadline
+    /// counts from here, which is before the database computed the expiry.
+    pub(crate) started: Duration,
 }
 
 /// Who describes itself in the lease row.
@@ -48,6 +48,19 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired> {
     let tx = client.transaction().await.map_err(Error::db("begin setup"))?;
+    let control: Option<bool> = tx
+        .query_one(sql::SESSION_CONTROL, &[])
+        .await
+        .map_err(Error::db("check session privileges"))?
+        .get(0);
+    if control != Some(true) {
+        return Err(Error::config(
+            "role",
+            "the connection's current role cannot see or end its own login role's sessions \
+             (after SET ROLE?); pgfence must be able to end the session of a write whose \
+             outcome is unknown: connect as the owning role, or grant it the login role",
+        ));
+    }
     tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
         .await
         .map_err(Error::db("setup lock"))?;
@@ -96,7 +109,7 @@ pub(crate) async fn setup_and_acquire(
 
     let owner_id = Uuid::new_v4();
     let ttl_ms = ttl.as_millis() as i64;
-    let started = (Instant::now(), SystemTime::now());
+    let started = crate::lease::clock();
     let rows = tx
         .query(&statements.acquire, &[&owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app])
         .await
@@ -152,7 +165,7 @@ pub(crate) async fn lease_info(
             epoch: row.get("epoch"),
             holder: format!("{app} {pid}@{host}"),
             expires_in: Duration::from_millis(expires_in_ms.max(0) as u64),
-            active: expires_in_ms > 0,
+            active: row.get("active"),
         }
     }))
 }

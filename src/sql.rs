@@ -74,7 +74,8 @@ SELECT epoch FROM created UNION ALL SELECT epoch FROM taken"#;
 /// when expired). No row: the lease was never taken.
 pub(crate) const HOLDER: &str = r#"
 SELECT owner_id, epoch, holder_host, holder_pid, holder_app,
-       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms
+       (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS expires_in_ms,
+       expires_at > clock_timestamp() AS active
   FROM {lease}
  WHERE id = 1"#;
 
@@ -195,18 +196,27 @@ SELECT primary_namespace, secondary_namespace, key FROM {kv}
 /// The identity of the connection's server process: its pid and start time (a pid alone may
 /// be reused). Asked once per pooled connection, before its first mutation.
 pub(crate) const BACKEND_IDENTITY: &str =
-    "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+
+/// Whether this session's role may see and end the store's own sessions, which ending the
+/// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Both require the
+/// privileges of the session (login) user: false after `SET ROLE` to a role without them.
+pub(crate) const SESSION_CONTROL: &str = r#"
+SELECT backend_start IS NOT NULL
+       AND (pg_has_role(session_user, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
+  FROM pg_stat_activity
+ WHERE pid = pg_backend_pid()"#;
 
 /// Ends a server process whose connection broke under a mutation: PostgreSQL notices a
 /// vanished client only when it next writes to the socket, so the statement may still run and
 /// commit later. Ordering requires that it be over before the mutation is retried.
 pub(crate) const TERMINATE_BACKEND: &str = r#"
 SELECT pg_terminate_backend(pid) FROM pg_stat_activity
- WHERE pid = $1 AND backend_start = $2::text::timestamptz"#;
+ WHERE pid = $1 AND backend_start = $2"#;
 
 /// Whether that server process still exists (its transaction, if any, is undecided).
 pub(crate) const BACKEND_ALIVE: &str = r#"
-SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2::text::timestamptz"#;
+SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"#;
 
 /// Migrations, numbered from 1, embedded at build time. `{kv_created_index}` names an index
 /// (unqualified: PostgreSQL puts it in the table's schema).

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
 use tokio::sync::{RwLock, watch};
@@ -566,7 +566,12 @@ impl Inner {
             .query_one(sql::BACKEND_IDENTITY, &[])
             .await
             .map_err(Error::db("identify connection"))?;
-        let backend = Backend { pid: row.get(0), started: row.get(1) };
+        let started: Option<SystemTime> = row.get(1);
+        let Some(started) = started else {
+            // open() checked this; a role change since (SET ROLE in a pool hook?) breaks it.
+            return Err(Error::config("role", "the connection cannot see its own session"));
+        };
+        let backend = Backend { pid: row.get(0), started };
         let mut backends = self.backends.lock().unwrap_or_else(|e| e.into_inner());
         if backends.len() >= 4 * self.pool.status().max_size.max(16) {
             // Entries of connections long gone; the live ones are asked again on next use.
@@ -635,7 +640,7 @@ impl Inner {
 #[derive(Debug, Clone)]
 pub(crate) struct Backend {
     pid: i32,
-    started: String,
+    started: SystemTime,
 }
 
 /// Runs work as a task of its own and waits for it. Dropping the caller's future then cannot
@@ -697,7 +702,7 @@ impl Builder {
     /// live store holds the lease. Creates the database if it does not exist and the role may.
     pub async fn open(self) -> Result<PgKvStore> {
         self.validate()?;
-        detached(self.open_here()).await
+        detached(self.open_here().instrument(tracing::Span::current())).await
     }
 
     async fn open_here(self) -> Result<PgKvStore> {

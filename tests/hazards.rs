@@ -35,7 +35,7 @@ async fn slow_trigger(table: &str, seconds: u32) {
 
 /// Waits until a write to `table` sleeps in `pg_sleep` (the slow trigger).
 async fn wait_for_sleeper(table: &str) {
-    let pattern = format!("%INSERT INTO \"{table}\"%");
+    let pattern = format!("%INSERT INTO \"{table}\"%"); // The write and the batch alike.
     let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE $1";
     common::wait_for_row("slow statement running", sql, &[&pattern]).await
 }
@@ -66,13 +66,15 @@ async fn value_of(table: &str, key: &str) -> Vec<u8> {
 
 /// A connection breaks while its write still runs on the server. The server process goes on
 /// and would commit the old value after the retry and after a later call: the store must end
-/// that process before it retries.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn statement_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
+/// that process before it retries. The sessions use a non-ISO date style and a time zone
+/// whose abbreviation is ambiguous, so the session identity must not go through text.
+async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool) {
     let server = TestServer::shared().unwrap();
     let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     let t = table("orphan");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+    let mut config = server.config_via(proxy.addr());
+    config.options("-c DateStyle=SQL,DMY -c TimeZone=Asia/Kolkata");
+    let store = PgKvStore::builder_from_config(config)
         .table(&t)
         .pool_size(2)
         .lease_ttl(Duration::from_secs(30))
@@ -83,7 +85,11 @@ async fn statement_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call
     store.write("o", "s", "k", b"first".to_vec()).await.unwrap();
     slow_trigger(&t, 2).await;
 
-    let slow = tokio::spawn(store.write("o", "s", "k", b"slow".to_vec()));
+    let slow = if batch {
+        tokio::spawn(store.batch().put("o", "s", "k", b"slow".to_vec()).commit())
+    } else {
+        tokio::spawn(store.write("o", "s", "k", b"slow".to_vec()))
+    };
     wait_for_sleeper(&t).await;
     proxy.cut_all(); // The server process keeps sleeping, then would commit "slow".
     within("slow write", slow).await.unwrap().expect("retried after the old session ended");
@@ -93,6 +99,16 @@ async fn statement_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call
     assert_eq!(value_of(&t, "k").await, b"later", "the later call's value stands");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
+    orphaned_statement_cannot_overwrite_a_later_call(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
+    orphaned_statement_cannot_overwrite_a_later_call(true).await;
 }
 
 /// Dropping a write future (a timeout, a `select!`) must not let a later call of the key run

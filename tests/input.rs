@@ -129,3 +129,35 @@ async fn wrong_password_is_a_typed_error_that_never_shows_the_password() {
     let store = PgKvStore::builder(&url).table(table("pw")).pool_size(1).open().await.unwrap();
     store.close().await.unwrap();
 }
+
+/// A connection whose current role (after `SET ROLE`) cannot see or end its login role's
+/// sessions is refused at open: pgfence could not end the session of a write whose outcome is
+/// unknown, so it could not keep per-key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn role_that_cannot_end_its_own_sessions_is_refused() {
+    let login = table("login");
+    let owner = table("owner");
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {owner} NOLOGIN; CREATE ROLE {login} LOGIN IN ROLE {owner};
+             GRANT CREATE ON SCHEMA public TO {owner};"
+        ))
+        .await
+        .unwrap();
+    let mut config = common::server().config();
+    config.user(&login).options(format!("-c role={owner}"));
+    let t = table("setrole");
+    let e = PgKvStore::builder_from_config(config.clone()).table(&t).open().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { field: "role", .. }), "{e:?}");
+    assert_eq!(tables_like(&t).await, 0, "nothing created");
+    // The login role itself is fine.
+    let mut plain = common::server().config();
+    plain.user(&login);
+    admin()
+        .await
+        .batch_execute(&format!("GRANT CREATE ON SCHEMA public TO {login}"))
+        .await
+        .unwrap();
+    PgKvStore::builder_from_config(plain).table(&t).open().await.unwrap().close().await.unwrap();
+}
