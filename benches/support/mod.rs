@@ -1,0 +1,149 @@
+//! What the criterion bench (`benches/write_latency.rs`) and the side-by-side bench command
+//! (`examples/bench.rs`, which includes this file by `#[path]`) share: the baselines the fenced
+//! write is compared with, as raw SQL on the store's own table, over a pool configured like the
+//! store's.
+#![allow(dead_code)] // Each of the two users needs a different subset.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use pgfence::PgKvStore;
+use tokio_postgres::NoTls;
+
+/// A boxed error: the benches only report failures, they do not recover from them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The unfenced baseline: the same upsert as the fenced write, without the lease CTE.
+pub const UNFENCED_UPSERT: &str = r#"
+INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (primary_namespace, secondary_namespace, key)
+DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch"#;
+
+/// The naive design the fenced CTE replaced, first statement: check the lease by renewing it
+/// (an `UPDATE` of the lease row that returns nothing when it is not ours), inside the
+/// transaction of the write.
+pub const NAIVE_RENEW: &str = r#"
+UPDATE {lease}
+   SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
+ WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+RETURNING epoch"#;
+
+/// The naive design, second statement: the upsert, in the same transaction.
+pub const NAIVE_UPSERT: &str = UNFENCED_UPSERT;
+
+/// The lease renewal, exactly as the store's renewal task runs it (pgfence's `sql::RENEW`),
+/// for timing renewals from outside while writers load the store.
+pub const RENEW: &str = r#"
+UPDATE {lease}
+   SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
+ WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+RETURNING epoch"#;
+
+/// The primary namespace every bench key lives in.
+pub const NS: &str = "bench";
+/// The secondary namespace every bench key lives in.
+pub const SUB: &str = "kv";
+
+/// A pool like the one the store builds for itself: same driver, same recycling, same size.
+pub fn pool(config: tokio_postgres::Config, size: usize) -> Pool {
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .build()
+        .expect("a pool from a valid configuration")
+}
+
+/// Substitutes the store's quoted table names (unqualified table names only).
+pub fn sql(template: &str, table: &str) -> String {
+    template
+        .replace("{kv}", &format!("\"{table}\""))
+        .replace("{lease}", &format!("\"{table}_lease\""))
+}
+
+/// The baselines on the store's table, through their own pool of the store's kind, with every
+/// statement prepared once per connection (`prepare_cached`), as the store does.
+#[derive(Debug, Clone)]
+pub struct Baseline {
+    pub pool: Pool,
+    owner: uuid::Uuid,
+    epoch: i64,
+    ttl_ms: i64,
+    unfenced: String,
+    naive_renew: String,
+    naive_upsert: String,
+    renew: String,
+}
+
+impl Baseline {
+    /// Baselines for `store` (whose table is `table`), over `pool`.
+    pub fn new(store: &PgKvStore, table: &str, pool: Pool, ttl: Duration) -> Baseline {
+        Baseline {
+            pool,
+            owner: store.owner_id(),
+            epoch: store.fencing_token(),
+            ttl_ms: ttl.as_millis() as i64,
+            unfenced: sql(UNFENCED_UPSERT, table),
+            naive_renew: sql(NAIVE_RENEW, table),
+            naive_upsert: sql(NAIVE_UPSERT, table),
+            renew: sql(RENEW, table),
+        }
+    }
+
+    /// One unfenced upsert: a pooled connection, one prepared statement, one round trip.
+    pub async fn unfenced(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&self.unfenced).await?;
+        client.execute(&statement, &[&NS, &SUB, &key, &value, &self.epoch]).await?;
+        Ok(())
+    }
+
+    /// One naive fenced write: `BEGIN`, renew-as-check, upsert, `COMMIT`: four round trips with
+    /// prepared statements (six when each statement is also parsed, as in the design notes'
+    /// measurement), and every writer serialized on the lease row's row lock.
+    pub async fn naive(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        let mut client = self.pool.get().await?;
+        let renew = client.prepare_cached(&self.naive_renew).await?;
+        let upsert = client.prepare_cached(&self.naive_upsert).await?;
+        let tx = client.transaction().await?;
+        let rows = tx.query(&renew, &[&self.owner, &self.ttl_ms]).await?;
+        let Some(row) = rows.first() else {
+            return Err("naive write: the lease is not ours".into());
+        };
+        let epoch: i64 = row.get(0);
+        tx.execute(&upsert, &[&NS, &SUB, &key, &value, &epoch]).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// One lease renewal, as the store's renewal task does it, on a pooled connection of its
+    /// own. Extends the store's lease by its own TTL, so it never changes what the store holds.
+    pub async fn renew(&self) -> Result<(), BoxError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&self.renew).await?;
+        let rows = client.query(&statement, &[&self.owner, &self.ttl_ms]).await?;
+        if rows.is_empty() {
+            return Err("renewal: the lease is not ours".into());
+        }
+        Ok(())
+    }
+}
+
+/// A value of `len` bytes (not all equal, so nothing compresses it away).
+pub fn value(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64).map(|i| (i.wrapping_mul(31).wrapping_add(seed) % 251) as u8).collect()
+}
+
+/// Median and 99th percentile of sorted samples.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
