@@ -189,6 +189,14 @@ SELECT key, created_seq FROM {kv}
  ORDER BY created_seq DESC
  LIMIT $4"#;
 
+/// Whether the KV table has never had planner statistics (`$1`: its quoted name).
+pub(crate) const NEVER_ANALYZED: &str = r#"
+SELECT coalesce((SELECT last_analyze IS NULL AND last_autoanalyze IS NULL
+                   FROM pg_stat_user_tables WHERE relid = to_regclass($1)), false)"#;
+
+/// Gathers the planner's statistics of the KV table.
+pub(crate) const ANALYZE: &str = "ANALYZE {kv}";
+
 pub(crate) const LIST_ALL: &str = r#"
 SELECT primary_namespace, secondary_namespace, key FROM {kv}
  ORDER BY primary_namespace, secondary_namespace, key"#;
@@ -242,6 +250,7 @@ pub(crate) struct Statements {
     pub(crate) list: String,
     pub(crate) list_page: String,
     pub(crate) list_all: String,
+    pub(crate) analyze: String,
 }
 
 impl Statements {
@@ -262,6 +271,7 @@ impl Statements {
             list: s(LIST),
             list_page: s(LIST_PAGE),
             list_all: s(LIST_ALL),
+            analyze: s(ANALYZE),
         }
     }
 }
