@@ -11,7 +11,7 @@
 //! Without `--database-url` it starts a private temporary PostgreSQL cluster (from the server
 //! binaries on the machine, see `pgfence::testing`) and stops it at the end. `--delay-us N`
 //! routes every connection through a loopback TCP proxy that delays each direction by N µs
-//! (`--delay-us 600` ≈ a 1.2 ms round trip); `--unix` connects to the private cluster over its
+//! (`--delay-us 370` gave a 1.14-1.26 ms round trip here); `--unix` connects to the private cluster over its
 //! Unix socket instead of TCP.
 //!
 //! Variants, all on the store's own table, with pools of one kind and size:

@@ -33,7 +33,7 @@
 //! (`pg_ctl stop -m immediate`) and deletes the cluster's directory. The watchdog runs in its own
 //! process group so that the Ctrl-C that kills the test process does not kill it too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
@@ -42,14 +42,14 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc as std_mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
@@ -906,14 +906,17 @@ pub fn unique_name(prefix: &str) -> String {
 ///
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
-/// `#[tokio::test]` runtimes do). Dropping the proxy aborts all of them: nothing keeps
-/// running, and every proxied connection is closed.
+/// `#[tokio::test]` runtimes do). Delays are timed by one thread of the proxy's own (for
+/// sub-millisecond accuracy; tokio timers tick in milliseconds). Dropping the proxy aborts the tasks and stops and joins that thread:
+/// nothing keeps running, and every proxied connection is closed.
 #[derive(Debug)]
 pub struct Proxy {
     addr: SocketAddr,
     upstream: SocketAddr,
     shared: Arc<ProxyShared>,
     accept_task: AbortHandle,
+    /// The timer thread, joined on drop.
+    timer_thread: Option<thread::JoinHandle<()>>,
 }
 
 #[derive(Debug)]
@@ -922,6 +925,7 @@ struct ProxyShared {
     delay_nanos: AtomicU64,
     refuse: AtomicBool,
     connections: Mutex<Connections>,
+    timer: DelayTimer,
 }
 
 #[derive(Debug, Default)]
@@ -950,14 +954,16 @@ impl Proxy {
     pub async fn start(upstream: SocketAddr) -> io::Result<Proxy> {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let addr = listener.local_addr()?;
+        let (timer, timer_thread) = DelayTimer::start()?;
         let shared = Arc::new(ProxyShared {
             delay_nanos: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             connections: Mutex::new(Connections::default()),
+            timer,
         });
         let accept_task =
             tokio::spawn(accept_loop(listener, upstream, Arc::clone(&shared))).abort_handle();
-        Ok(Proxy { addr, upstream, shared, accept_task })
+        Ok(Proxy { addr, upstream, shared, accept_task, timer_thread: Some(timer_thread) })
     }
 
     /// The address clients connect to.
@@ -974,6 +980,11 @@ impl Proxy {
     /// answer take at least twice that). Order is kept and throughput is not limited: chunks
     /// are read as they arrive, and each is written out when its own delay has passed. Applies
     /// to data read from now on, also on existing connections. Zero (the default) turns it off.
+    ///
+    /// The delay is a lower bound, and it holds to a fraction of a millisecond also below a
+    /// millisecond: a chunk goes out typically 0.1–0.2 ms after it is due (the kernel's timer
+    /// slack and two thread wake-ups; more on a loaded machine or a virtual one), on top of the
+    /// ~50 µs the extra hop costs anyway. Measure the round trip rather than assume it.
     pub fn set_delay(&self, one_way: Duration) {
         let nanos = u64::try_from(one_way.as_nanos()).unwrap_or(u64::MAX);
         self.shared.delay_nanos.store(nanos, Ordering::Relaxed);
@@ -1005,6 +1016,102 @@ impl Drop for Proxy {
         self.accept_task.abort();
         self.shared.connections().closed = true;
         self.cut_all();
+        self.shared.timer.stop();
+        if let Some(timer_thread) = self.timer_thread.take() {
+            // Prompt: the thread wakes for the stop request and never blocks on anything else.
+            let _ = timer_thread.join();
+        }
+    }
+}
+
+/// Wakes the proxy's writers when their chunks are due, from a thread of its own.
+///
+/// Why not tokio timers: they have a resolution of 1 ms and round every deadline up to the
+/// next tick, so a 100 µs delay became about 1.1 ms per direction and a round trip below ~2.5 ms
+/// could not be emulated. A plain thread blocking with a timeout (a futex wait, like
+/// `std::thread::sleep`) is woken by a high-resolution kernel timer, typically 50–100 µs late
+/// (the default timer slack is 50 µs; a hypervisor adds to it), and uses no CPU while it waits:
+/// unlike spinning out the last sub-millisecond on the runtime, this costs nothing on a machine
+/// whose few cores the server and the client share (a spin per chunk in flight would take a
+/// core from the server the benches measure). Waking the writer's task from this thread adds
+/// one more thread wake-up. One thread serves every connection of a proxy; it only times, the
+/// tokio tasks still do all the I/O, so it works the same on current-thread and multi-thread
+/// runtimes.
+#[derive(Debug)]
+struct DelayTimer {
+    requests: std_mpsc::Sender<TimerRequest>,
+}
+
+#[derive(Debug)]
+enum TimerRequest {
+    /// Send on `waker` once `due` has passed.
+    Wake { due: Instant, waker: oneshot::Sender<()> },
+    /// End the thread (the proxy is dropped). Pending wakers are dropped, which their waiting
+    /// tasks (aborted by then) would see as an error.
+    Stop,
+}
+
+impl DelayTimer {
+    fn start() -> io::Result<(DelayTimer, thread::JoinHandle<()>)> {
+        let (requests, incoming) = std_mpsc::channel();
+        let thread = thread::Builder::new()
+            .name("pgfence-proxy-timer".to_owned())
+            .spawn(move || DelayTimer::run(incoming))?;
+        Ok((DelayTimer { requests }, thread))
+    }
+
+    fn run(incoming: std_mpsc::Receiver<TimerRequest>) {
+        // Keyed by due time, then arrival (equal due times are kept, in order).
+        let mut pending: BTreeMap<(Instant, u64), oneshot::Sender<()>> = BTreeMap::new();
+        let mut arrivals: u64 = 0;
+        loop {
+            let now = Instant::now();
+            while let Some(entry) = pending.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                // The task may have gone (its connection cut): nothing to wake then.
+                let _ = entry.remove().send(());
+            }
+            let request = match pending.first_key_value() {
+                Some((&(next_due, _), _)) => {
+                    match incoming.recv_timeout(next_due.saturating_duration_since(now)) {
+                        Ok(request) => request,
+                        Err(std_mpsc::RecvTimeoutError::Timeout) => continue,
+                        Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                    }
+                }
+                None => match incoming.recv() {
+                    Ok(request) => request,
+                    Err(std_mpsc::RecvError) => return,
+                },
+            };
+            match request {
+                TimerRequest::Wake { due, waker } => {
+                    pending.insert((due, arrivals), waker);
+                    arrivals += 1;
+                }
+                TimerRequest::Stop => return,
+            }
+        }
+    }
+
+    /// Returns once `due` has passed.
+    async fn sleep_until(&self, due: Instant) {
+        if due <= Instant::now() {
+            return;
+        }
+        let (waker, woken) = oneshot::channel();
+        let sent = self.requests.send(TimerRequest::Wake { due, waker }).is_ok();
+        if !sent || woken.await.is_err() {
+            // The timer thread has stopped: the proxy is being dropped and this task is about
+            // to be aborted. Never shorten a delay, even then.
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+
+    fn stop(&self) {
+        let _ = self.requests.send(TimerRequest::Stop);
     }
 }
 
@@ -1055,14 +1162,15 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
 }
 
 /// One direction of a connection. The reader stamps each chunk with its due time and queues
-/// it; the writer writes each chunk once it is due. The two run concurrently, so a delay adds
-/// latency without limiting throughput, and the queue keeps the order.
+/// it; the writer writes each chunk once it is due (woken by the proxy's [`DelayTimer`]). The
+/// two run concurrently, so a delay adds latency without limiting throughput, and the queue
+/// keeps the order.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &ProxyShared,
 ) -> io::Result<()> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let read = async move {
         // Owned by this block, so end-of-file drops it and the writer sees the queue end.
         let tx = tx;
@@ -1072,7 +1180,7 @@ async fn pump(
             if n == 0 {
                 return Ok::<(), io::Error>(());
             }
-            let due = tokio::time::Instant::now() + shared.delay();
+            let due = Instant::now() + shared.delay();
             if tx.send((due, buf[..n].to_vec())).is_err() {
                 // The writer has failed; `try_join!` reports its error.
                 return Ok(());
@@ -1081,9 +1189,7 @@ async fn pump(
     };
     let write = async move {
         while let Some((due, chunk)) = rx.recv().await {
-            if due > tokio::time::Instant::now() {
-                tokio::time::sleep_until(due).await;
-            }
+            shared.timer.sleep_until(due).await;
             to.write_all(&chunk).await?;
         }
         // Pass the half-close on: the peer sees end-of-file after the last chunk.

@@ -304,3 +304,54 @@ async fn proxy_on_current_thread_runtime() {
 async fn proxy_on_multi_thread_runtime() {
     check_proxy().await;
 }
+
+/// A sub-millisecond delay: every round trip takes at least twice the one-way delay, and a
+/// large answer (many chunks in flight at once) arrives whole and in order. Only lower bounds
+/// are asserted; the median is printed, since how close it gets depends on the machine's load.
+async fn check_proxy_sub_millisecond_delay() {
+    const ONE_WAY: Duration = Duration::from_micros(300);
+    let server = shared();
+    let proxy =
+        Proxy::start(server.tcp_addr().expect("server address")).await.expect("start the proxy");
+    let client = connect(&server.config_via(proxy.addr())).await;
+    let statement = client.prepare("SELECT 1::int4").await.expect("prepare SELECT 1");
+    proxy.set_delay(ONE_WAY);
+
+    let mut round_trips = Vec::new();
+    for _ in 0..50 {
+        let started = Instant::now();
+        let one: i32 = client.query_one(&statement, &[]).await.expect("SELECT 1").get(0);
+        round_trips.push(started.elapsed());
+        assert_eq!(one, 1);
+    }
+    round_trips.sort();
+    assert!(round_trips[0] >= 2 * ONE_WAY, "a round trip took only {:?}", round_trips[0]);
+    eprintln!(
+        "round trip with {ONE_WAY:?} each way: min {:?}, median {:?}, max {:?}",
+        round_trips[0],
+        round_trips[round_trips.len() / 2],
+        round_trips[round_trips.len() - 1]
+    );
+
+    let rows: i32 = 200_000;
+    let expected: String = (1..=rows).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let got: String = client
+        .query_one(
+            "SELECT string_agg(i::text, ',' ORDER BY i) FROM generate_series(1, $1) i",
+            &[&rows],
+        )
+        .await
+        .expect("a large answer through the delay")
+        .get(0);
+    assert!(got == expected, "the large answer came out of order or incomplete");
+}
+
+#[tokio::test]
+async fn proxy_sub_millisecond_delay_on_current_thread_runtime() {
+    check_proxy_sub_millisecond_delay().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_sub_millisecond_delay_on_multi_thread_runtime() {
+    check_proxy_sub_millisecond_delay().await;
+}
