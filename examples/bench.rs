@@ -236,33 +236,10 @@ fn target(args: &Args) -> Result<Target, BoxError> {
             delay_proxy.addr(),
             args.delay_us
         );
-        config = redirect(&config, delay_proxy.addr());
+        config = pgfence::testing::redirect(&config, delay_proxy.addr());
         proxy = Some((delay_proxy, proxy_rt));
     }
     Ok(Target { config, transport, _cluster: cluster, _proxy: proxy })
-}
-
-/// `config`, connecting to `addr` instead (`Config::host` and `port` add to the host list, so
-/// the rest is copied into a fresh configuration).
-fn redirect(config: &tokio_postgres::Config, addr: SocketAddr) -> tokio_postgres::Config {
-    let mut out = tokio_postgres::Config::new();
-    out.host(addr.ip().to_string()).port(addr.port());
-    if let Some(user) = config.get_user() {
-        out.user(user);
-    }
-    if let Some(password) = config.get_password() {
-        out.password(password);
-    }
-    if let Some(dbname) = config.get_dbname() {
-        out.dbname(dbname);
-    }
-    if let Some(options) = config.get_options() {
-        out.options(options);
-    }
-    if let Some(timeout) = config.get_connect_timeout() {
-        out.connect_timeout(*timeout);
-    }
-    out
 }
 
 fn tcp_addr(config: &tokio_postgres::Config) -> Result<SocketAddr, BoxError> {

@@ -816,8 +816,10 @@ async fn connect_spawned(config: &Config) -> Result<Client, tokio_postgres::Erro
     Ok(client)
 }
 
-/// `config` with its hosts and ports replaced by `addr`.
-fn redirect(config: &Config, addr: SocketAddr) -> Config {
+/// `config` with its hosts and ports replaced by `addr` (for example a [`Proxy`]'s):
+/// `Config::host` and `port` add to the host lists, so everything else is copied into a fresh
+/// configuration.
+pub fn redirect(config: &Config, addr: SocketAddr) -> Config {
     let mut out = Config::new();
     out.host(addr.ip().to_string()).port(addr.port());
     if let Some(user) = config.get_user() {
