@@ -41,9 +41,10 @@ pub(crate) fn check_namespaces(primary: &str, secondary: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks a full key path: the namespaces as in [`check_namespaces`] and a key of 1..=120
-/// characters of `[A-Za-z0-9_-]`.
-pub(crate) fn check_key(primary: &str, secondary: &str, key: &str) -> Result<()> {
+/// Checks a full key path without touching the database: namespaces of 0..=120 characters of
+/// `[A-Za-z0-9_-]` (an empty primary namespace only with an empty secondary one) and a key of
+/// 1..=120 such characters. Every operation does this itself; tools can check input up front.
+pub fn check_key(primary: &str, secondary: &str, key: &str) -> Result<()> {
     check_namespaces(primary, secondary)?;
     check_part("key", key, false)
 }

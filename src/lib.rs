@@ -25,7 +25,7 @@ pub use config::{Builder, LeaseLossPolicy};
 pub use deadpool_postgres;
 pub use error::{Error, KeyPath, LossReason, Result};
 pub use failover::{Inspector, Standby, StandbyState};
-pub use keys::MAX_KEY_LEN;
+pub use keys::{MAX_KEY_LEN, check_key};
 pub use lease::LeaseState;
 pub use schema::LeaseInfo;
 pub use store::{KvStore, Page, PageToken, PgKvStore};

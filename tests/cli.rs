@@ -680,3 +680,28 @@ fn usage_and_config_errors_exit_2() {
     refused.expect(1, "unreachable server");
     assert!(refused.stderr.contains("onnection refused"), "{refused:?}");
 }
+
+/// Bad input is refused before the lease is taken: exit 2 even while another process holds
+/// the lease, and no acquisition (the epoch does not move).
+#[test]
+fn bad_input_is_refused_before_taking_the_lease() {
+    let (url, table) = (server().url(), unique_name("cli_badinput"));
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "first put");
+    let epoch = |url: &str, table: &str| {
+        let out = run(url, table, &["status", "--json"], None).expect(0, "status").stdout();
+        let status: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        status["epoch"].as_i64().unwrap()
+    };
+    let before = epoch(&url, &table);
+    for args in [&["put", "a", "b", "bad key", "v"][..], &["rm", "a", "b", "bad/key"]] {
+        run(&url, &table, args, None).expect(2, &format!("{args:?}"));
+    }
+    let bad_rows = "{\"primary_namespace\":\"a\",\"secondary_namespace\":\"b\",\"key\":\"bad key\",\"value\":\"\"}\n";
+    let import = run(&url, &table, &["import"], Some(bad_rows.as_bytes()));
+    import.expect(2, "import of a bad key");
+    assert!(import.stderr.contains("line 1"), "{import:?}");
+    let not_utf8 = run(&url, &table, &["import"], Some(b"\xff\xfe\n"));
+    not_utf8.expect(2, "import of bytes that are not UTF-8");
+    assert!(not_utf8.stderr.contains("line 1"), "{not_utf8:?}");
+    assert_eq!(epoch(&url, &table), before, "no lease was taken");
+}

@@ -18,7 +18,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand};
-use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState};
+use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
 use serde_json::{Value, json};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::watch;
@@ -202,14 +202,26 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
+    init_logging();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => return fail(Exit::other("cannot start the async runtime", &e)),
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // Bounded: a blocking task (a stuck DNS lookup) must not hold up the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(exit) => fail(exit),
     }
+}
+
+/// The library reports renewal retries, failed releases and fallbacks through `tracing`:
+/// show warnings and errors on stderr (`RUST_LOG` overrides, e.g. `RUST_LOG=pgfence=debug`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(io::stderr).init();
 }
 
 fn fail(exit: Exit) -> ExitCode {
@@ -268,6 +280,8 @@ async fn run(cli: Cli) -> Result<(), Exit> {
             out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
         }
         Command::Put { key: k, value } => {
+            // Bad input changes nothing: checked before the lease is taken.
+            check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let value = match value {
                 Some(v) if v != "-" => v.into_vec(),
                 _ => {
@@ -282,6 +296,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
             finish(store, written).await
         }
         Command::Rm(k) => {
+            check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let store = builder.open().await?;
             let removed =
                 store.remove(&k.primary_namespace, &k.secondary_namespace, &k.key, false).await;
@@ -398,7 +413,12 @@ async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
     // Parse everything before taking the lease: bad input changes nothing.
     let mut rows = Vec::new();
     for (n, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| Exit::other(&source, &e))?;
+        let line = line.map_err(|e| match e.kind() {
+            io::ErrorKind::InvalidData => {
+                Exit::usage(format!("{source} line {}: not UTF-8", n + 1))
+            }
+            _ => Exit::other(&source, &e),
+        })?;
         if line.trim().is_empty() {
             continue;
         }
@@ -427,7 +447,10 @@ fn parse_row(line: &str) -> Result<Row, String> {
     };
     let value =
         BASE64.decode(field("value")?).map_err(|e| format!("\"value\" is not base64: {e}"))?;
-    Ok((field("primary_namespace")?, field("secondary_namespace")?, field("key")?, value))
+    let (primary, secondary, key) =
+        (field("primary_namespace")?, field("secondary_namespace")?, field("key")?);
+    check_key(&primary, &secondary, &key).map_err(|e| e.to_string())?;
+    Ok((primary, secondary, key, value))
 }
 
 /// SIGINT or SIGTERM, whichever comes first.
@@ -483,6 +506,7 @@ impl CounterKey {
                 )));
             }
         };
+        check_key(primary, secondary, key)?;
         Ok(CounterKey {
             primary: primary.to_owned(),
             secondary: secondary.to_owned(),
@@ -546,7 +570,10 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
             let start = match counter_start(&store, &counter).await {
                 Ok(start) => start,
                 Err(exit) => {
-                    let _ = store.close().await; // Reporting the cause, not the release.
+                    // Reporting the cause; a failed release is only worth a warning beside it.
+                    if let Err(e) = store.close().await {
+                        tracing::warn!(error = %e, "releasing the lease failed");
+                    }
                     return Err(exit);
                 }
             };
@@ -590,23 +617,33 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
             }
         }
         let lost = lost_exit(&store);
-        let _ = tokio::time::timeout(CLEANUP_LIMIT, store.close()).await; // Best effort.
+        // Best effort: the release is a no-op by owner id once the lease is someone else's.
+        match tokio::time::timeout(CLEANUP_LIMIT, store.close()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "closing the lost store failed"),
+            Err(_) => tracing::warn!(?CLEANUP_LIMIT, "closing the lost store timed out"),
+        }
         return Err(lost.unwrap_or(Exit { code: 5, message: "lease lost".to_owned() }));
     }
     // Orderly: let the writer finish the write in flight (it never starts another after
     // `stop`), so close() releases after the last write of this epoch, not beside it. A second
     // signal skips the wait, as an impatient operator expects.
     let shutdown = async {
-        let _ = stop.send(true);
-        if let Some(handle) = writer {
-            if !handle.is_finished() {
-                let _ = handle.await;
-            }
-        }
-        store.close().await
+        let _ = stop.send(true); // The writer may have ended already; then nothing listens.
+        // A writer that already ended was awaited above (its result is in `ended`): a
+        // JoinHandle must not be polled again after it returned.
+        let writer = writer.filter(|_| !matches!(ended, Ended::WriterFailed(_)));
+        let written = match writer {
+            Some(handle) => match handle.await {
+                Ok(result) => result,
+                Err(e) => Err(Error::Runtime { source: io::Error::other(e.to_string()) }),
+            },
+            None => Ok(()),
+        };
+        (written, store.close().await)
     };
-    let closed = tokio::select! {
-        closed = shutdown => closed,
+    let (written, closed) = tokio::select! {
+        done = shutdown => done,
         // At once, without running destructors: dropping the store would wait for a release.
         () = signals.recv() => std::process::exit(i32::from(fail_code(Exit {
             code: 1,
@@ -620,6 +657,9 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
     }
     if let Ended::WriterFailed(e) = ended {
         return Err(Exit { code: 1, message: format!("counter write failed: {}", chain(&e)) });
+    }
+    if let Err(e) = written {
+        return Err(Exit { code: 1, message: format!("last counter write failed: {}", chain(&e)) });
     }
     closed.map_err(|e| Exit {
         code: 1,
