@@ -8,7 +8,8 @@
 //! `block_on` on the caller's runtime and never needs that runtime to make progress: the store
 //! is opened on the facade's runtime, so every pooled connection's I/O task runs there, and the
 //! lease renewal runs on a thread of its own. Blocking a current-thread runtime on its own I/O,
-//! the classic deadlock of sync-over-async facades, cannot happen.
+//! the classic deadlock of sync-over-async facades, cannot happen (unless the store is built on
+//! a pool whose connections the caller's runtime created: see [`PgKvStore::open`]).
 //!
 //! A call blocks the calling thread until the operation finishes. Inside async code that is
 //! what a synchronous API means; prefer the async store there when you can.
@@ -236,7 +237,8 @@ impl Builder {
     }
 }
 
-fn owned(primary: &str, secondary: &str, key: &str) -> (String, String, String) {
+/// The three names of a key, owned, to move into a task on the facade's runtime.
+pub(crate) fn owned(primary: &str, secondary: &str, key: &str) -> (String, String, String) {
     (primary.to_owned(), secondary.to_owned(), key.to_owned())
 }
 
@@ -300,7 +302,9 @@ impl IoRuntime {
     /// Like [`IoRuntime::spawn`], but dropping the returned future cancels the work: for
     /// opening a store, where a caller that gives up (a standby that is no longer wanted) must
     /// leave nothing running. A store opened just before the cancellation is dropped, which
-    /// releases its lease.
+    /// releases its lease; if the cancellation lands while the opening transaction commits,
+    /// before the store exists, the lease is held by nobody and expires by its TTL (as after a
+    /// crash: safe, only slower for the next holder).
     #[cfg(feature = "ldk")]
     pub(crate) fn spawn_cancellable<T: Send + 'static>(
         self: &Arc<Self>,
@@ -322,10 +326,12 @@ impl IoRuntime {
             output
         });
         let keep_alive = Arc::clone(self);
+        // Made before the future, so it also cancels when the future is dropped unpolled.
+        // Aborting a finished task does nothing: the guard only matters if this future is
+        // dropped before the task finished.
+        let cancel = cancel_on_drop.then(|| AbortOnDrop(task.abort_handle()));
         async move {
-            // Aborting a finished task does nothing, so the guard only matters if this future is
-            // dropped before the task finished.
-            let _cancel = cancel_on_drop.then(|| AbortOnDrop(task.abort_handle()));
+            let _cancel = cancel;
             let joined = task.await;
             drop(keep_alive);
             match joined {

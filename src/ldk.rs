@@ -40,7 +40,7 @@
 //! [`LdkStore::lease_state`] (or call [`LdkStore::wait_while_held`] from a thread) and shut the
 //! node down when it leaves `Held`, or open the store with
 //! [`crate::LeaseLossPolicy::Abort`] (or `Panic` in a binary built with `panic = "abort"`).
-//! See `examples/ldk.rs` and `docs/ldk.md`.
+//! See `examples/ldk.rs` and the README's LDK section.
 
 use std::future::Future;
 use std::time::Duration;
@@ -53,7 +53,7 @@ use lightning::util::persist::{
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use crate::blocking;
+use crate::blocking::{self, owned};
 use crate::error::Result;
 use crate::{Builder, LeaseState, Page, PageToken, Standby};
 
@@ -155,10 +155,6 @@ impl From<blocking::PgKvStore> for LdkStore {
 /// whose conversion keeps the kind and keeps the [`crate::Error`] as the inner error.
 fn to_io(e: crate::Error) -> io::Error {
     io::Error::from(std::io::Error::from(e))
-}
-
-fn owned(primary: &str, secondary: &str, key: &str) -> (String, String, String) {
-    (primary.to_owned(), secondary.to_owned(), key.to_owned())
 }
 
 fn to_ldk(page: Page) -> PaginatedListResponse {
