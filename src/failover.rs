@@ -7,11 +7,11 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 use crate::config::Builder;
-use crate::error::{Error, KeyPath, Result};
+use crate::error::{Error, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::schema::{self, LeaseInfo};
 use crate::sql::{self, Statements};
-use crate::store::PgKvStore;
+use crate::store::{PgKvStore, value_or_not_found};
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it: bounds the
 /// takeover delay when notifications are unavailable (LISTEN connection down, or a pool source).
@@ -98,23 +98,22 @@ impl Standby {
     /// Waits until the lease can be taken and opens the store. Errors other than
     /// [`Error::LeaseHeld`] and retryable connection errors end the wait.
     pub async fn open(self) -> Result<PgKvStore> {
-        self.builder.validate()?;
+        let table = self.builder.validate()?;
         match self.timeout {
-            None => self.wait().await,
-            Some(after) => tokio::time::timeout(after, self.wait())
+            None => self.wait(&table).await,
+            Some(after) => tokio::time::timeout(after, self.wait(&table))
                 .await
                 .map_err(|_| Error::Timeout { operation: "wait for lease", after })?,
         }
     }
 
-    async fn wait(&self) -> Result<PgKvStore> {
-        let table = self.builder.validate()?;
+    async fn wait(&self, table: &TableName) -> Result<PgKvStore> {
         let mut listener: Option<Listener> = None;
         loop {
             // Listen before trying, so a release between a failed attempt and the wait below
             // is not missed.
             if listener.as_ref().is_none_or(|l| l.is_closed()) {
-                listener = Listener::start(&self.builder, &table).await;
+                listener = Listener::start(&self.builder, table).await;
             }
             let wait = match self.builder.clone().open().await {
                 Ok(store) => {
@@ -147,7 +146,7 @@ impl Standby {
 struct Listener {
     notified: mpsc::UnboundedReceiver<()>,
     task: tokio::task::JoinHandle<()>,
-    _client: tokio_postgres::Client,
+    client: tokio_postgres::Client,
 }
 
 impl Drop for Listener {
@@ -182,9 +181,9 @@ impl Listener {
                     }
                 }
             });
-            let listener = Listener { notified, task, _client: client };
+            let listener = Listener { notified, task, client };
             let channel = sql::notify_channel(table);
-            listener._client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
+            listener.client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
             Ok::<_, tokio_postgres::Error>(listener)
         };
         match tokio::time::timeout(builder.connect_timeout, connecting).await {
@@ -201,7 +200,7 @@ impl Listener {
     }
 
     fn is_closed(&self) -> bool {
-        self._client.is_closed() || self.task.is_finished()
+        self.client.is_closed() || self.task.is_finished()
     }
 
     /// Waits for a notification or `max`, whichever comes first.
@@ -261,14 +260,7 @@ impl Inspector {
             .query("read", &self.statements.read, &[&primary_namespace, &secondary_namespace, &key])
             .await?
             .unwrap_or_default();
-        match rows.first() {
-            Some(row) => Ok(row.get(0)),
-            None => Err(Error::NotFound(Box::new(KeyPath::new(
-                primary_namespace,
-                secondary_namespace,
-                key,
-            )))),
-        }
+        value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
     }
 
     /// Keys of a namespace pair, sorted.

@@ -165,8 +165,9 @@ impl PgKvStore {
     /// it. Notifications cannot be received through a pooled connection, so a standby on a pool
     /// polls instead of listening. `close()` leaves the pool open. Dropping such a store inside a
     /// current-thread runtime cannot release the lease (the renewal connection's I/O needs the
-    /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For renewal fully independent of the application's runtime,
-    /// use [`PgKvStore::builder`] or [`PgKvStore::builder_from_config`].
+    /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For
+    /// renewal fully independent of the application's runtime, use [`PgKvStore::builder`] or
+    /// [`PgKvStore::builder_from_config`].
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
     }
@@ -189,14 +190,7 @@ impl PgKvStore {
                     &[&primary_namespace, &secondary_namespace, &key],
                 )
                 .await?;
-            match rows.first() {
-                Some(row) => Ok(row.get(0)),
-                None => Err(Error::NotFound(Box::new(KeyPath::new(
-                    primary_namespace,
-                    secondary_namespace,
-                    key,
-                )))),
-            }
+            value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
         }
         .instrument(span)
         .await
@@ -636,6 +630,23 @@ impl Inner {
     }
 }
 
+/// The value of a `READ` result, or [`Error::NotFound`] naming the key.
+pub(crate) fn value_or_not_found(
+    rows: &[Row],
+    primary_namespace: &str,
+    secondary_namespace: &str,
+    key: &str,
+) -> Result<Vec<u8>> {
+    match rows.first() {
+        Some(row) => Ok(row.get(0)),
+        None => Err(Error::NotFound(Box::new(KeyPath::new(
+            primary_namespace,
+            secondary_namespace,
+            key,
+        )))),
+    }
+}
+
 /// A PostgreSQL server process: its pid and start time (a pid alone may be reused).
 #[derive(Debug, Clone)]
 pub(crate) struct Backend {
@@ -701,12 +712,11 @@ impl Builder {
     /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
     /// live store holds the lease. Creates the database if it does not exist and the role may.
     pub async fn open(self) -> Result<PgKvStore> {
-        self.validate()?;
-        detached(self.open_here().instrument(tracing::Span::current())).await
+        let table = self.validate()?;
+        detached(self.open_here(table).instrument(tracing::Span::current())).await
     }
 
-    async fn open_here(self) -> Result<PgKvStore> {
-        let table = self.validate()?;
+    async fn open_here(self, table: TableName) -> Result<PgKvStore> {
         let statements = Statements::new(&table);
         let deadline_after = self.deadline();
         let pool = self.pool()?;

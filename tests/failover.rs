@@ -6,7 +6,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{admin, builder, lease_table, table, within};
-use pgfence::{Error, LeaseState, LossReason, StandbyState};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore, StandbyState};
+use tokio::sync::watch;
 
 /// Long enough that an acquisition soon after a release proves the release, not an expiry.
 const TTL: Duration = Duration::from_secs(30);
@@ -15,16 +16,25 @@ fn standby_builder(t: &str, app: &str) -> pgfence::Builder {
     builder(t).lease_ttl(TTL).renew_interval(Duration::from_secs(5)).application_name(app)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_release_wakes_the_standby_at_once() {
-    let t = table("handoff");
-    let active = standby_builder(&t, "active").open().await.unwrap();
-    let standby = standby_builder(&t, "standby").standby();
+/// Starts a standby named `app` on `t` and returns once it reports `Waiting`.
+async fn waiting_standby(
+    t: &str,
+    app: &str,
+) -> (tokio::task::JoinHandle<pgfence::Result<PgKvStore>>, watch::Receiver<StandbyState>) {
+    let standby = standby_builder(t, app).standby();
     let mut progress = standby.progress();
     let waiting = tokio::spawn(standby.open());
     within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
         .await
         .unwrap();
+    (waiting, progress)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_release_wakes_the_standby_at_once() {
+    let t = table("handoff");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let (waiting, progress) = waiting_standby(&t, "standby").await;
     match &*progress.borrow() {
         StandbyState::Waiting { holder, epoch, expires_in } => {
             assert!(holder.contains("active"), "{holder}");
@@ -107,12 +117,7 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     let t = table("sbcancel");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let app = format!("sb-{t}");
-    let standby = standby_builder(&t, &app).standby();
-    let mut progress = standby.progress();
-    let waiting = tokio::spawn(standby.open());
-    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
-        .await
-        .unwrap();
+    let (waiting, _progress) = waiting_standby(&t, &app).await;
     assert!(sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
     waiting.abort();
     assert!(waiting.await.unwrap_err().is_cancelled());
@@ -132,12 +137,7 @@ async fn standby_survives_losing_its_listen_connection() {
     let t = table("sbkill");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let app = format!("sb-{t}");
-    let standby = standby_builder(&t, &app).standby();
-    let mut progress = standby.progress();
-    let waiting = tokio::spawn(standby.open());
-    within("waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
-        .await
-        .unwrap();
+    let (waiting, _progress) = waiting_standby(&t, &app).await;
     let killed: i64 = admin()
         .await
         .query_one(

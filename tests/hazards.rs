@@ -242,10 +242,9 @@ async fn renewal_loss_releases_at_once() {
         .open()
         .await
         .unwrap();
-    let mut state = store.lease_state();
     let mut blocker = admin().await;
     let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
-    within("loss", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
+    common::wait_until_lost(&store).await;
     tx.rollback().await.unwrap(); // Lets the release through (it waits at most 2 s).
     let db = admin().await;
     within("release after loss", async {

@@ -292,12 +292,12 @@ async fn renewal_finding_the_lease_taken_fails_closed() {
         .open()
         .await
         .unwrap();
-    let mut state = store.lease_state();
     steal_lease(&admin().await, &t).await;
-    within("loss noticed by renewal", state.wait_for(|s| matches!(s, LeaseState::Lost { .. })))
-        .await
-        .unwrap();
-    assert_eq!(*state.borrow(), LeaseState::Lost { epoch: 1, reason: LossReason::TakenOver });
+    common::wait_until_lost(&store).await;
+    assert_eq!(
+        *store.lease_state().borrow(),
+        LeaseState::Lost { epoch: 1, reason: LossReason::TakenOver }
+    );
     assert!(store.read("a", "b", "c").await.unwrap_err().is_lease_lost());
 }
 
@@ -364,12 +364,14 @@ async fn blocked_renewal_fails_closed_before_database_expiry() {
         .open()
         .await
         .unwrap();
-    let mut state = store.lease_state();
     // FOR NO KEY UPDATE conflicts with renewal's UPDATE but not with writes.
     let mut blocker = admin().await;
     let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
-    within("deadline", state.wait_for(|s| matches!(s, LeaseState::Lost { .. }))).await.unwrap();
-    assert_eq!(*state.borrow(), LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed });
+    common::wait_until_lost(&store).await;
+    assert_eq!(
+        *store.lease_state().borrow(),
+        LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed }
+    );
     let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;
     assert_eq!(owner, store.owner_id());
     assert!(expires_in_ms > 0, "the database still shows the lease valid ({expires_in_ms} ms)");

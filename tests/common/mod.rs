@@ -115,3 +115,11 @@ pub async fn wait_for_row(
     })
     .await
 }
+
+/// Waits (bounded by [`HANG_GUARD`]) until the store reports its lease lost.
+pub async fn wait_until_lost(store: &PgKvStore) {
+    let mut state = store.lease_state();
+    within("lease loss", state.wait_for(|s| matches!(s, pgfence::LeaseState::Lost { .. })))
+        .await
+        .unwrap();
+}
