@@ -69,6 +69,8 @@ struct Args {
     sample_waits: bool,
     keys_per_writer: usize,
     flushers: usize,
+    /// `--write-concurrency`: the store's `Builder::write_concurrency` (its default if absent).
+    write_concurrency: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -115,6 +117,7 @@ fn parse_args() -> Result<Args, String> {
         sample_waits: false,
         keys_per_writer: 64,
         flushers: 4,
+        write_concurrency: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -159,6 +162,9 @@ fn parse_args() -> Result<Args, String> {
                 args.keys_per_writer = number(&flag, value(&flag)?)?.max(1) as usize
             }
             "--coalesce-flushers" => args.flushers = number(&flag, value(&flag)?)?.max(1) as usize,
+            "--write-concurrency" => {
+                args.write_concurrency = Some(number(&flag, value(&flag)?)?.max(1) as usize)
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -294,11 +300,12 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
     let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let table = unique_name("bench");
     let ttl = Duration::from_secs(30); // The store's defaults: 30 s TTL, renewal every 10 s.
-    let store = PgKvStore::builder_from_config(target.config.clone())
-        .table(&table)
-        .pool_size(max_writers)
-        .open()
-        .await?;
+    let mut builder =
+        PgKvStore::builder_from_config(target.config.clone()).table(&table).pool_size(max_writers);
+    if let Some(statements) = args.write_concurrency {
+        builder = builder.write_concurrency(statements);
+    }
+    let store = builder.open().await?;
     let baseline =
         Baseline::new(&store, &table, support::pool(target.config.clone(), max_writers), ttl);
     // The renewal probe gets a pool (one connection) of its own, like the store's renewal task.

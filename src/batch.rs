@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering;
 
 use tracing::Instrument;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, KeyPath, Result};
 use crate::keys::check_key;
 use crate::ordering::Ticket;
-use crate::store::{Inner, PgKvStore, detached};
+use crate::store::{Inner, Mutation, PgKvStore, detached};
 
 /// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
 /// [`Batch::commit`].
@@ -40,21 +40,15 @@ use crate::store::{Inner, PgKvStore, detached};
 pub struct Batch {
     inner: Arc<Inner>,
     /// The last operation of each key; the map's order is the order key turns are taken in.
-    ops: BTreeMap<(String, String, String), Op>,
+    ops: BTreeMap<(String, String, String), Mutation>,
     /// The first validation error, reported by `commit` before any SQL runs.
     invalid: Option<Error>,
-}
-
-#[derive(Debug)]
-enum Op {
-    Put(Vec<u8>),
-    Remove,
 }
 
 /// One key of a committed batch: its operation and its place in the key's order.
 struct Entry {
     ticket: Ticket,
-    op: Op,
+    op: Mutation,
 }
 
 impl PgKvStore {
@@ -76,7 +70,7 @@ impl Batch {
     ) -> Self {
         let checked = check_key(primary_namespace, secondary_namespace, key)
             .and_then(|()| self.inner.check_value(&value));
-        self.add(checked, primary_namespace, secondary_namespace, key, Op::Put(value));
+        self.add(checked, primary_namespace, secondary_namespace, key, Mutation::Write(value));
         self
     }
 
@@ -84,7 +78,7 @@ impl Batch {
     /// earlier operation of the same key in this batch.
     pub fn remove(mut self, primary_namespace: &str, secondary_namespace: &str, key: &str) -> Self {
         let checked = check_key(primary_namespace, secondary_namespace, key);
-        self.add(checked, primary_namespace, secondary_namespace, key, Op::Remove);
+        self.add(checked, primary_namespace, secondary_namespace, key, Mutation::Remove);
         self
     }
 
@@ -98,7 +92,14 @@ impl Batch {
         self.ops.is_empty()
     }
 
-    fn add(&mut self, checked: Result<()>, primary: &str, secondary: &str, key: &str, op: Op) {
+    fn add(
+        &mut self,
+        checked: Result<()>,
+        primary: &str,
+        secondary: &str,
+        key: &str,
+        op: Mutation,
+    ) {
         match checked {
             Ok(()) => {
                 self.ops.insert((primary.to_owned(), secondary.to_owned(), key.to_owned()), op);
@@ -146,24 +147,13 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
     // other in a cycle: no deadlock. Holding every turn across the statement (and its retries)
     // is what keeps per-key order: nothing later of any of these keys can run in between.
     let mut turns = Vec::with_capacity(entries.len());
-    let mut puts = Columns::default();
-    let mut removes = Columns::default();
-    let mut values: Vec<&[u8]> = Vec::new();
+    let mut ops = Vec::with_capacity(entries.len());
     for entry in &entries {
         let Some(turn) = entry.ticket.turn().await else {
             continue; // A later call of this key is already applied: it must win.
         };
         turns.push(turn);
-        let path = entry.ticket.path();
-        match &entry.op {
-            Op::Put(value) => {
-                puts.push(&path.primary_namespace, &path.secondary_namespace, &path.key);
-                values.push(value);
-            }
-            Op::Remove => {
-                removes.push(&path.primary_namespace, &path.secondary_namespace, &path.key)
-            }
-        }
+        ops.push((entry.ticket.path(), &entry.op));
     }
     if turns.is_empty() {
         // Nothing to write, but an operation of a closed or fenced store still fails.
@@ -171,6 +161,31 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
             return Err(Error::Closed);
         }
         return inner.lease.check();
+    }
+    apply_fenced(inner, ops).await?;
+    for turn in turns {
+        turn.applied();
+    }
+    Ok(())
+}
+
+/// Runs the one fenced batch statement for `ops` (each key at most once), while the caller
+/// holds every key's turn. `Ok` means all of them committed.
+pub(crate) async fn apply_fenced<'a>(
+    inner: &Inner,
+    ops: impl IntoIterator<Item = (&'a KeyPath, &'a Mutation)>,
+) -> Result<()> {
+    let mut puts = Columns::default();
+    let mut removes = Columns::default();
+    let mut values: Vec<&[u8]> = Vec::new();
+    for (path, op) in ops {
+        match op {
+            Mutation::Write(value) => {
+                puts.push(path);
+                values.push(value);
+            }
+            Mutation::Remove => removes.push(path),
+        }
     }
     let owner = inner.lease.owner_id;
     inner
@@ -188,11 +203,7 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
                 &removes.key,
             ],
         )
-        .await?;
-    for turn in turns {
-        turn.applied();
-    }
-    Ok(())
+        .await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
@@ -204,9 +215,9 @@ struct Columns<'a> {
 }
 
 impl<'a> Columns<'a> {
-    fn push(&mut self, primary: &'a str, secondary: &'a str, key: &'a str) {
-        self.primary.push(primary);
-        self.secondary.push(secondary);
-        self.key.push(key);
+    fn push(&mut self, path: &'a KeyPath) {
+        self.primary.push(&path.primary_namespace);
+        self.secondary.push(&path.secondary_namespace);
+        self.key.push(&path.key);
     }
 }

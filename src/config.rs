@@ -65,6 +65,7 @@ pub struct Builder {
     pub(crate) drop_timeout: Duration,
     pub(crate) connect_timeout: Duration,
     pub(crate) application_name: String,
+    pub(crate) write_concurrency: usize,
 }
 
 /// Defaults, also documented on the setters.
@@ -72,6 +73,7 @@ pub(crate) const DEFAULT_TABLE: &str = "pgfence_kv";
 const DEFAULT_TTL: Duration = Duration::from_secs(30);
 const DEFAULT_RENEW: Duration = Duration::from_secs(10);
 const DEFAULT_POOL_SIZE: usize = 8;
+const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -92,6 +94,7 @@ impl Builder {
             drop_timeout: DEFAULT_DROP_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             application_name: default_application_name(),
+            write_concurrency: DEFAULT_WRITE_CONCURRENCY,
         }
     }
 
@@ -129,6 +132,20 @@ impl Builder {
     /// [`crate::PgKvStore::builder_from_pool`]. The renewal task always has its own connection.
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size;
+        self
+    }
+
+    /// How many single-key write statements (`write`, `remove`) may run at once (default 4).
+    /// A `write` or `remove` that arrives while that many run waits, and the next statement
+    /// to start applies every mutation waiting by then (of different keys: each key's order is
+    /// kept) in one fenced statement, like a [`crate::Batch`]: one lease check and one commit
+    /// for all of them. With many concurrent writers this keeps throughput at the level of
+    /// unfenced writes; below this many writers nothing waits. Each call still gets its own
+    /// result: if a shared statement fails, each of its mutations runs again alone. Batches
+    /// from [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let
+    /// every mutation have a statement of its own while a connection is free.
+    pub fn write_concurrency(mut self, statements: usize) -> Self {
+        self.write_concurrency = statements;
         self
     }
 
@@ -235,6 +252,9 @@ impl Builder {
         }
         if self.pool_size == 0 {
             return Err(Error::config("pool_size", "must be at least 1"));
+        }
+        if self.write_concurrency == 0 {
+            return Err(Error::config("write_concurrency", "must be at least 1"));
         }
         if self.max_value_size > 1 << 30 {
             return Err(Error::config(

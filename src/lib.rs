@@ -3,6 +3,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
 
 mod batch;
+mod coalesce;
 mod config;
 mod error;
 mod failover;

@@ -14,6 +14,7 @@ use tokio_postgres::{NoTls, Row};
 use tracing::Instrument;
 use uuid::Uuid;
 
+use crate::coalesce::Coalescer;
 use crate::config::{Builder, Source, host_name};
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
@@ -26,10 +27,12 @@ use crate::sql::{self, Statements};
 ///
 /// # Guarantees
 ///
-/// - **Fencing.** Every `write` and `remove` is one SQL statement that checks, under a
+/// - **Fencing.** Every `write` and `remove` runs in one SQL statement that checks, under a
 ///   `FOR KEY SHARE` lock on the lease row, that this store still owns an unexpired lease, and
 ///   mutates only if so. A takeover must change the lease row's owner, which waits for that
-///   lock: no write of this store can commit after another store acquired the lease.
+///   lock: no write of this store can commit after another store acquired the lease. (While
+///   [`Builder::write_concurrency`] statements are busy, waiting mutations of other keys share
+///   the next such statement; each call still gets its own result.)
 /// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed
 ///   (or was superseded by a later call to the same key that is committed).
 /// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
@@ -76,6 +79,8 @@ pub(crate) struct Inner {
     pub(crate) retry_for: Duration,
     /// The server process of each pooled connection, by pool object (see [`Inner::run`]).
     pub(crate) backends: Mutex<HashMap<deadpool::managed::ObjectId, Backend>>,
+    /// Mutations waiting to share a statement (see [`crate::coalesce`]).
+    pub(crate) coalescer: Coalescer,
 }
 
 /// An opaque position in a newest-first listing, from [`Page::next_page_token`].
@@ -408,8 +413,9 @@ impl KvStore for PgKvStore {
     }
 }
 
-/// A single-key mutation.
-enum Mutation {
+/// A change of one key: by `write`, `remove`, or as part of a batch.
+#[derive(Debug)]
+pub(crate) enum Mutation {
     Write(Vec<u8>),
     Remove,
 }
@@ -449,24 +455,28 @@ impl Inner {
         )
     }
 
-    /// Runs one fenced mutation in its key's turn.
+    /// Runs one fenced mutation in its key's turn (see [`crate::coalesce`]).
     async fn mutate(&self, ticket: Ticket, mutation: Mutation) -> Result<()> {
         let Some(turn) = ticket.turn().await else {
             return Ok(()); // A later call to this key is already committed.
         };
-        let path = ticket.path();
-        let owner = self.lease.owner_id;
-        let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
-        match &mutation {
-            Mutation::Write(value) => {
-                self.fenced("write", &self.statements.write, &[&owner, pn, sn, key, value]).await?
-            }
-            Mutation::Remove => {
-                self.fenced("remove", &self.statements.remove, &[&owner, pn, sn, key]).await?
-            }
-        }
+        self.apply_coalesced(ticket.path(), mutation).await?;
         turn.applied();
         Ok(())
+    }
+
+    /// Runs one mutation in its own fenced statement, while the caller holds its key's turn.
+    pub(crate) async fn apply_alone(&self, path: &KeyPath, mutation: &Mutation) -> Result<()> {
+        let owner = self.lease.owner_id;
+        let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
+        match mutation {
+            Mutation::Write(value) => {
+                self.fenced("write", &self.statements.write, &[&owner, pn, sn, key, value]).await
+            }
+            Mutation::Remove => {
+                self.fenced("remove", &self.statements.remove, &[&owner, pn, sn, key]).await
+            }
+        }
     }
 
     /// Runs a fenced mutation statement (one that returns whether the lease was held) while
@@ -814,6 +824,7 @@ impl Builder {
                 drop_timeout: self.drop_timeout,
                 retry_for: self.lease_ttl,
                 backends: Mutex::new(HashMap::new()),
+                coalescer: Coalescer::new(self.write_concurrency),
             }),
         })
     }

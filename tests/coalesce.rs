@@ -1,0 +1,241 @@
+//! Write coalescing (`Builder::write_concurrency`): mutations that arrive while the allowed
+//! statements are busy share one fenced statement, and each caller still gets its own result,
+//! its own per-key order and the fence.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::within;
+use pgfence::{Error, PgKvStore};
+use rand::seq::SliceRandom;
+
+const NS: &str = "ns";
+const SUB: &str = "sub";
+
+/// A store that runs one single-key statement at a time: everything else queues and coalesces.
+async fn open_serial(table: &str) -> PgKvStore {
+    common::builder(table).write_concurrency(1).open().await.expect("open store")
+}
+
+/// Blocks the store's next write of `key` inside its statement: an administrator transaction
+/// row-locks the key's row (which must exist), so the statement waits on it while holding the
+/// store's only write slot. Dropping the returned transaction (a rollback) lets it go on.
+async fn block_key<'a>(
+    admin: &'a mut tokio_postgres::Client,
+    table: &str,
+    key: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let tx = admin.transaction().await.unwrap();
+    let locked = tx
+        .query(&format!("SELECT 1 FROM \"{table}\" WHERE key = $1 FOR UPDATE"), &[&key])
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1, "the blocking row exists");
+    tx
+}
+
+/// Waits until a statement of the store is blocked on the administrator's row lock, asking the
+/// server (never a timing guess).
+async fn wait_until_blocked(table: &str) {
+    common::wait_for_row(
+        "the store's statement waiting on the row lock",
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
+        &[&table],
+    )
+    .await;
+}
+
+/// Lets tasks that were just spawned reach the store's queue. Only a settle time for the
+/// scenario: every assertion below holds whether or not a write made it into the shared
+/// statement, except the one that says they did.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+/// `(key, xmin)` of every row of `(NS, SUB)`: rows with one `xmin` were written by one
+/// transaction.
+async fn writers_of(table: &str) -> BTreeMap<String, String> {
+    common::admin()
+        .await
+        .query(
+            &format!(
+                "SELECT key, xmin::text FROM \"{table}\" WHERE primary_namespace = $1 AND secondary_namespace = $2"
+            ),
+            &[&NS, &SUB],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
+    let table = common::table("coal_one");
+    let store = open_serial(&table).await;
+    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
+    store.write(NS, SUB, "old", b"old".to_vec()).await.unwrap();
+
+    let mut admin = common::admin().await;
+    let blocker = block_key(&mut admin, &table, "blocker").await;
+    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
+    wait_until_blocked(&table).await;
+    let queued: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), vec![i])))
+        .chain([tokio::spawn(store.remove(NS, SUB, "old", false))])
+        .collect();
+    settle().await;
+    drop(blocker);
+
+    within("blocked write", first).await.unwrap().unwrap();
+    for q in queued {
+        within("queued write", q).await.unwrap().unwrap();
+    }
+    let rows = writers_of(&table).await;
+    assert!(!rows.contains_key("old"), "the queued remove committed");
+    let xmins: Vec<&String> = (0..5).map(|i| &rows[&format!("k{i}")]).collect();
+    assert!(xmins.iter().all(|x| *x == xmins[0]), "one transaction wrote all five: {xmins:?}");
+    assert_ne!(xmins[0], &rows["blocker"], "the blocked write ran in a statement of its own");
+    for i in 0..5u8 {
+        assert_eq!(store.read(NS, SUB, &format!("k{i}")).await.unwrap(), vec![i]);
+    }
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_write_fails_alone_and_its_group_commits() {
+    let table = common::table("coal_err");
+    let store = open_serial(&table).await;
+    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
+    let admin = common::admin().await;
+    // A trigger that refuses one key: a database error that belongs to one write only.
+    admin
+        .batch_execute(&format!(
+            "CREATE FUNCTION \"{table}_refuse\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.key = 'poison' THEN RAISE EXCEPTION 'poison refused'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_refuse\"();"
+        ))
+        .await
+        .unwrap();
+
+    let mut blocking = common::admin().await;
+    let blocker = block_key(&mut blocking, &table, "blocker").await;
+    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
+    wait_until_blocked(&table).await;
+    let good_a = tokio::spawn(store.write(NS, SUB, "good_a", b"a".to_vec()));
+    let poison = tokio::spawn(store.write(NS, SUB, "poison", b"p".to_vec()));
+    let good_b = tokio::spawn(store.write(NS, SUB, "good_b", b"b".to_vec()));
+    settle().await;
+    drop(blocker);
+
+    within("blocked write", first).await.unwrap().unwrap();
+    within("good_a", good_a).await.unwrap().unwrap();
+    within("good_b", good_b).await.unwrap().unwrap();
+    let err = within("poison", poison).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Database { .. }), "the refused write's own error: {err:?}");
+    let message = format!("{:?}", err);
+    assert!(message.contains("poison refused"), "carries the trigger's message: {message}");
+
+    assert_eq!(store.read(NS, SUB, "good_a").await.unwrap(), b"a");
+    assert_eq!(store.read(NS, SUB, "good_b").await.unwrap(), b"b");
+    assert!(store.read(NS, SUB, "poison").await.unwrap_err().is_not_found());
+    assert!(matches!(*store.lease_state().borrow(), pgfence::LeaseState::Held { .. }));
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
+    let table = common::table("coal_lost");
+    let store = open_serial(&table).await;
+    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
+
+    let mut blocking = common::admin().await;
+    let blocker = block_key(&mut blocking, &table, "blocker").await;
+    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
+    wait_until_blocked(&table).await;
+    let queued: Vec<_> =
+        (0..3).map(|i| tokio::spawn(store.write(NS, SUB, &format!("q{i}"), vec![i]))).collect();
+    settle().await;
+    // Expire the lease in the database. Changing only expires_at does not wait for the blocked
+    // statement, which checked the lease before it blocked and so still commits.
+    common::admin()
+        .await
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = clock_timestamp() - interval '1 second'",
+                common::lease_table(&table)
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(blocker);
+
+    within("blocked write", first).await.unwrap().unwrap();
+    for q in queued {
+        let err = within("queued write", q).await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::LeaseLost { .. }), "fenced: {err:?}");
+    }
+    let rows = writers_of(&table).await;
+    assert_eq!(rows.keys().collect::<Vec<_>>(), ["blocker"], "nothing queued was written");
+    assert!(matches!(
+        store.write(NS, SUB, "later", vec![]).await.unwrap_err(),
+        Error::LeaseLost { .. }
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_calls_keep_per_key_call_order() {
+    let table = common::table("coal_ord");
+    let store = common::builder(&table).write_concurrency(2).open().await.unwrap();
+    for round in 0..5u32 {
+        // 400 calls over 8 keys, every fifth a remove, polled in random order, all at once:
+        // most of them queue and share statements.
+        let mut expected: BTreeMap<String, Option<Vec<u8>>> = BTreeMap::new();
+        let mut calls = Vec::new();
+        for i in 0..400u32 {
+            let key = format!("k{}", i % 8);
+            let value = (round * 1000 + i).to_be_bytes().to_vec();
+            if i % 5 == 4 {
+                calls.push(boxed(store.remove(NS, SUB, &key, false)));
+                expected.insert(key, None);
+            } else {
+                calls.push(boxed(store.write(NS, SUB, &key, value.clone())));
+                expected.insert(key, Some(value));
+            }
+        }
+        calls.shuffle(&mut rand::rng());
+        let handles: Vec<_> = calls.into_iter().map(tokio::spawn).collect();
+        for h in handles {
+            within("call", h).await.unwrap().unwrap();
+        }
+        for (key, want) in &expected {
+            let got = match store.read(NS, SUB, key).await {
+                Ok(v) => Some(v),
+                Err(e) if e.is_not_found() => None,
+                Err(e) => panic!("read {key}: {e}"),
+            };
+            assert_eq!(&got, want, "round {round}, {key}: the last call's state");
+        }
+    }
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_write_concurrency_is_refused() {
+    let err = common::builder(&common::table("coal_cfg")).write_concurrency(0).open().await;
+    assert!(matches!(err, Err(Error::InvalidConfig { field: "write_concurrency", .. })), "{err:?}");
+}
+
+fn boxed(
+    f: impl std::future::Future<Output = pgfence::Result<()>> + Send + 'static,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = pgfence::Result<()>> + Send>> {
+    Box::pin(f)
+}
