@@ -4,8 +4,8 @@
 //! ```text
 //! cargo run --release --example bench -- [--concurrency 1,4,16] [--value-size 1024]
 //!     [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
-//!     [--database-url URL] [--variants unfenced,fenced,naive,coalesced]
-//!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--coalesce-flushers 4]
+//!     [--database-url URL] [--variants unfenced,fenced,solo,naive]
+//!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
 //! ```
 //!
 //! Without `--database-url` it starts a private temporary PostgreSQL cluster (from the server
@@ -17,12 +17,12 @@
 //! Variants, all on the store's own table, with pools of one kind and size:
 //!
 //! - `unfenced`: `INSERT .. ON CONFLICT DO UPDATE`, one prepared statement: the baseline.
-//! - `fenced`: `PgKvStore::write`, the fenced single statement.
+//! - `fenced`: `PgKvStore::write`: the fenced statement, shared by the writes that queue while
+//!   `write_concurrency` statements are busy (`--write-concurrency`, default the store's).
+//! - `solo`: the store's fenced single-key statement, one per write, never shared: what
+//!   `PgKvStore::write` did before write coalescing (raw SQL with the store's owner id).
 //! - `naive`: `BEGIN`, renew the lease with an `UPDATE`, upsert, `COMMIT`: the design the
 //!   fenced statement replaced.
-//! - `coalesced`: a prototype (not part of the library) that funnels concurrent `write`s into
-//!   `PgKvStore::batch` commits: at most `--coalesce-flushers` fenced statements in flight,
-//!   each carrying every write queued meanwhile.
 //!
 //! Each concurrency level runs every variant for `--duration-secs`, split into `--rounds`
 //! interleaved slices (unfenced, fenced, naive, unfenced, ...) so that drift in the machine's
@@ -43,16 +43,16 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use pgfence::PgKvStore;
 use pgfence::testing::{Proxy, TestCluster, unique_name};
-use pgfence::{PgKvStore, Result as KvResult};
 use support::{Baseline, BoxError, NS, SUB, percentile};
-use tokio::sync::{Mutex, mpsc, oneshot, watch};
+use tokio::sync::watch;
 use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--duration-secs 5] \
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
-[--variants unfenced,fenced,naive,coalesced] [--renew-probe-ms 50] [--sample-waits] \
-[--keys-per-writer 64] [--coalesce-flushers 4]";
+[--variants unfenced,fenced,solo,naive] [--renew-probe-ms 50] [--sample-waits] \
+[--keys-per-writer 64] [--write-concurrency N]";
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -68,7 +68,6 @@ struct Args {
     renew_probe: Option<Duration>,
     sample_waits: bool,
     keys_per_writer: usize,
-    flushers: usize,
     /// `--write-concurrency`: the store's `Builder::write_concurrency` (its default if absent).
     write_concurrency: Option<usize>,
 }
@@ -77,8 +76,8 @@ struct Args {
 enum Variant {
     Unfenced,
     Fenced,
+    Solo,
     Naive,
-    Coalesced,
 }
 
 impl Variant {
@@ -86,8 +85,8 @@ impl Variant {
         match self {
             Variant::Unfenced => "unfenced",
             Variant::Fenced => "fenced",
+            Variant::Solo => "solo",
             Variant::Naive => "naive",
-            Variant::Coalesced => "coalesced",
         }
     }
 
@@ -95,8 +94,8 @@ impl Variant {
         match s {
             "unfenced" => Ok(Variant::Unfenced),
             "fenced" => Ok(Variant::Fenced),
+            "solo" => Ok(Variant::Solo),
             "naive" => Ok(Variant::Naive),
-            "coalesced" => Ok(Variant::Coalesced),
             other => Err(format!("unknown variant {other:?}")),
         }
     }
@@ -116,7 +115,6 @@ fn parse_args() -> Result<Args, String> {
         renew_probe: Some(Duration::from_millis(50)),
         sample_waits: false,
         keys_per_writer: 64,
-        flushers: 4,
         write_concurrency: None,
     };
     let mut it = std::env::args().skip(1);
@@ -161,7 +159,6 @@ fn parse_args() -> Result<Args, String> {
             "--keys-per-writer" => {
                 args.keys_per_writer = number(&flag, value(&flag)?)?.max(1) as usize
             }
-            "--coalesce-flushers" => args.flushers = number(&flag, value(&flag)?)?.max(1) as usize,
             "--write-concurrency" => {
                 args.write_concurrency = Some(number(&flag, value(&flag)?)?.max(1) as usize)
             }
@@ -346,8 +343,7 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
     pings.sort();
     let rtt = (percentile(&pings, 50.0), percentile(&pings, 99.0));
 
-    let coalescer = Coalescer::start(&store, args.flushers);
-    let workload = Workload { store: store.clone(), baseline, coalescer, value: Arc::new(value) };
+    let workload = Workload { store: store.clone(), baseline, value: Arc::new(value) };
     let mut results: BTreeMap<(usize, Variant), Measured> = BTreeMap::new();
     for &writers in &args.concurrency {
         // Warm-up, untimed: every pooled connection opened and every statement prepared.
@@ -403,7 +399,6 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
             }
         }
     }
-    workload.coalescer.stop().await;
     store.close().await?;
     drop(admin);
     let _ = admin_task.await;
@@ -434,7 +429,6 @@ fn key(writer: usize, k: usize) -> String {
 struct Workload {
     store: PgKvStore,
     baseline: Baseline,
-    coalescer: Coalescer,
     value: Arc<Vec<u8>>,
 }
 
@@ -444,7 +438,7 @@ impl Workload {
             Variant::Unfenced => self.baseline.unfenced(key, &self.value).await,
             Variant::Fenced => Ok(self.store.write(NS, SUB, key, self.value.to_vec()).await?),
             Variant::Naive => self.baseline.naive(key, &self.value).await,
-            Variant::Coalesced => Ok(self.coalescer.write(key, self.value.to_vec()).await?),
+            Variant::Solo => self.baseline.fenced(key, &self.value).await,
         }
     }
 }
@@ -624,96 +618,6 @@ async fn sample_waits(
     drop(client);
     let _ = connection.await;
     Ok(waits)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Coalescing prototype
-// ---------------------------------------------------------------------------------------------
-
-type Pending = (String, Vec<u8>, oneshot::Sender<KvResult<()>>);
-
-/// Part of the throughput experiment, not of the library: concurrent writes to different keys
-/// share one fenced batch statement. `flushers` tasks (`--coalesce-flushers`, default 4) each take
-/// the first queued write, then everything queued behind it, and commit it all as one
-/// `PgKvStore::batch`: one fence check (one `FOR KEY SHARE` lock, so far fewer concurrent
-/// lockers of the lease row) and one commit for many writes. The fencing guarantee is the
-/// batch's: every write commits under the lease in a fenced statement, or fails.
-///
-/// Per-key order: each writer here waits for its write before the next, so a key never has two
-/// writes queued. In the library, `write` would take its ticket when called and hand the
-/// ticket to the coalescer (see BENCHMARKS.md).
-struct Coalescer {
-    queue: mpsc::UnboundedSender<Pending>,
-    flushers: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Coalescer {
-    fn start(store: &PgKvStore, flushers: usize) -> Coalescer {
-        let (queue, rx) = mpsc::unbounded_channel::<Pending>();
-        let rx = Arc::new(Mutex::new(rx));
-        let flushers = (0..flushers)
-            .map(|_| {
-                let (store, rx) = (store.clone(), Arc::clone(&rx));
-                tokio::spawn(async move {
-                    loop {
-                        let mut group = Vec::new();
-                        {
-                            let mut rx = rx.lock().await;
-                            let Some(first) = rx.recv().await else { return };
-                            group.push(first);
-                            while let Ok(next) = rx.try_recv() {
-                                group.push(next);
-                            }
-                        }
-                        if group.len() == 1 {
-                            // Nothing to share the statement with: the single-key statement is
-                            // cheaper to run than a batch of one (see BENCHMARKS.md, planning).
-                            let (key, value, reply) = group.pop().expect("one write");
-                            let _ = reply.send(store.write(NS, SUB, &key, value).await);
-                            continue;
-                        }
-                        let mut batch = store.batch();
-                        let mut replies = Vec::with_capacity(group.len());
-                        for (key, value, reply) in group {
-                            batch = batch.put(NS, SUB, &key, value);
-                            replies.push(reply);
-                        }
-                        let result = batch.commit().await;
-                        for reply in replies {
-                            // The writer may have given up waiting; nothing to do then.
-                            let _ = reply.send(result.as_ref().map(|_| ()).map_err(clone_error));
-                        }
-                    }
-                })
-            })
-            .collect();
-        Coalescer { queue, flushers }
-    }
-
-    async fn write(&self, key: &str, value: Vec<u8>) -> KvResult<()> {
-        let (tx, rx) = oneshot::channel();
-        self.queue.send((key.to_owned(), value, tx)).map_err(|_| pgfence::Error::Closed)?;
-        rx.await.map_err(|_| pgfence::Error::Closed)?
-    }
-
-    async fn stop(self) {
-        drop(self.queue);
-        for flusher in self.flushers {
-            let _ = flusher.await;
-        }
-    }
-}
-
-/// The prototype hands one batch's error to every writer in it; `pgfence::Error` is not
-/// `Clone`, so the lease-loss case (the one that matters) is rebuilt and the rest reported as
-/// `Closed`.
-fn clone_error(e: &pgfence::Error) -> pgfence::Error {
-    match e {
-        pgfence::Error::LeaseLost { epoch, reason } => {
-            pgfence::Error::LeaseLost { epoch: *epoch, reason: reason.clone() }
-        }
-        _ => pgfence::Error::Closed,
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -969,7 +873,7 @@ impl Report<'_> {
         format!(
             "{{\"tool\":\"pgfence-bench\",\"unix_time\":{started},\"server_version\":{},\"cpus\":{},\
 \"transport\":{},\"rtt_p50_us\":{},\"rtt_p99_us\":{},\"delay_us\":{},\"value_size\":{},\
-\"duration_secs\":{},\"rounds\":{},\"coalesce_flushers\":{},\"concurrency\":[{}],\"results\":[{}]}}",
+\"duration_secs\":{},\"rounds\":{},\"write_concurrency\":{},\"concurrency\":[{}],\"results\":[{}]}}",
             json_str(&self.server_version),
             cpus(),
             json_str(self.transport),
@@ -979,7 +883,7 @@ impl Report<'_> {
             a.value_size,
             a.duration.as_secs_f64(),
             a.rounds,
-            a.flushers,
+            a.write_concurrency.map_or("null".to_owned(), |n| n.to_string()),
             a.concurrency.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(","),
             results.join(",")
         )

@@ -5,7 +5,8 @@ usage: scripts/bench_chart.py OUT.png RUN.json [RUN.json ...]
 
 One row per run (e.g. TCP loopback, Unix socket, delay proxy), two panels each: median write
 latency with the p99 as a thin bar on top, and throughput, per number of concurrent writers,
-for every variant in the run (unfenced, fenced, naive, coalesced). Needs matplotlib.
+for every variant in the run (unfenced, fenced, solo, naive; older runs: coalesced). Needs
+matplotlib.
 """
 
 import json
@@ -16,8 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ["unfenced", "fenced", "naive", "coalesced"]
-COLORS = {"unfenced": "#4c72b0", "fenced": "#55a868", "naive": "#c44e52", "coalesced": "#8172b2"}
+ORDER = ["unfenced", "fenced", "solo", "naive", "coalesced"]
+COLORS = {"unfenced": "#4c72b0", "fenced": "#55a868", "solo": "#dd8452", "naive": "#c44e52", "coalesced": "#8172b2"}
 
 
 def title(run):

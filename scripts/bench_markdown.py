@@ -10,7 +10,7 @@ CPU per write) and the lease renewal table, as pasted into BENCHMARKS.md.
 import json
 import sys
 
-ORDER = ["unfenced", "fenced", "naive", "coalesced"]
+ORDER = ["unfenced", "fenced", "solo", "naive", "coalesced"]
 
 
 def ms(us):

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use tokio_postgres::types::ToSql;
 use tracing::Instrument;
 
 use crate::error::{Error, KeyPath, Result};
@@ -188,22 +189,13 @@ pub(crate) async fn apply_fenced<'a>(
         }
     }
     let owner = inner.lease.owner_id;
-    inner
-        .fenced(
-            "batch",
-            &inner.statements.batch,
-            &[
-                &owner,
-                &puts.primary,
-                &puts.secondary,
-                &puts.key,
-                &values,
-                &removes.primary,
-                &removes.secondary,
-                &removes.key,
-            ],
-        )
-        .await
+    let statements = &inner.statements;
+    let puts = [&owner as &(dyn ToSql + Sync), &puts.primary, &puts.secondary, &puts.key, &values];
+    if removes.key.is_empty() {
+        return inner.fenced("batch", &statements.batch_put, &puts).await;
+    }
+    let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
+    inner.fenced("batch", &statements.batch, &[&puts[..], &removes[..]].concat()).await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.

@@ -171,6 +171,31 @@ WITH lease AS (
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 
+/// [`BATCH`] without removes, for batches of puts only (the common case, and every group of
+/// coalesced writes). Not just a convenience: PostgreSQL plans a prepared statement afresh on
+/// every execution while its generic plan looks costlier than the custom ones, and `BATCH`'s
+/// generic plan always does (it costs the removes' join for 10 rows, the custom plans for as
+/// many as there are). This one's generic plan costs the same as its custom plans, so after
+/// five executions it is planned once per connection: measured in `psql` with four puts,
+/// 0.11-0.18 ms of planning per execution became 0.013 ms.
+pub(crate) const BATCH_PUT: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
+      FROM valid,
+           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
+               AS p (primary_namespace, secondary_namespace, key, value)
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+)
+SELECT EXISTS (SELECT 1 FROM valid)"#;
+
 pub(crate) const READ: &str = r#"
 SELECT value FROM {kv}
  WHERE primary_namespace = $1 AND secondary_namespace = $2 AND key = $3"#;
@@ -246,6 +271,7 @@ pub(crate) struct Statements {
     pub(crate) write: String,
     pub(crate) remove: String,
     pub(crate) batch: String,
+    pub(crate) batch_put: String,
     pub(crate) read: String,
     pub(crate) list: String,
     pub(crate) list_page: String,
@@ -267,6 +293,7 @@ impl Statements {
             write: s(WRITE),
             remove: s(REMOVE),
             batch: s(BATCH),
+            batch_put: s(BATCH_PUT),
             read: s(READ),
             list: s(LIST),
             list_page: s(LIST_PAGE),

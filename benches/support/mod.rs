@@ -20,6 +20,23 @@ VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (primary_namespace, secondary_namespace, key)
 DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch"#;
 
+/// The store's fenced single-key write, exactly as `PgKvStore::write` runs it when its statement
+/// is not shared (pgfence's `sql::WRITE`): the `solo` variant of the bench command.
+pub const FENCED_WRITE: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT $2, $3, $4, $5, valid.epoch FROM valid
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+)
+SELECT EXISTS (SELECT 1 FROM valid)"#;
+
 /// The naive design the fenced CTE replaced, first statement: check the lease by renewing it
 /// (an `UPDATE` of the lease row that returns nothing when it is not ours), inside the
 /// transaction of the write.
@@ -78,6 +95,7 @@ pub struct Baseline {
     naive_renew: String,
     naive_upsert: String,
     renew: String,
+    fenced: String,
 }
 
 impl Baseline {
@@ -92,6 +110,7 @@ impl Baseline {
             naive_renew: sql(NAIVE_RENEW, table),
             naive_upsert: sql(NAIVE_UPSERT, table),
             renew: sql(RENEW, table),
+            fenced: sql(FENCED_WRITE, table),
         }
     }
 
@@ -100,6 +119,18 @@ impl Baseline {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(&self.unfenced).await?;
         client.execute(&statement, &[&NS, &SUB, &key, &value, &self.epoch]).await?;
+        Ok(())
+    }
+
+    /// One fenced write in a statement of its own (the store's `WRITE`), with the store's owner
+    /// id: one pooled connection, one prepared statement, one round trip.
+    pub async fn fenced(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&self.fenced).await?;
+        let row = client.query_one(&statement, &[&self.owner, &NS, &SUB, &key, &value]).await?;
+        if !row.get::<_, bool>(0) {
+            return Err("fenced write: the lease is not ours".into());
+        }
         Ok(())
     }
 
