@@ -4,9 +4,10 @@
 //! records the concurrent lockers in a MultiXact, which costs WAL and server CPU on every
 //! write (measured: about one MultiXact and nearly twice the WAL per write with 16 writers).
 //! So at most `write_concurrency` single-key mutation statements run at once. A mutation that
-//! arrives while that many run joins a queue, and the next statement to start takes the whole
-//! queue: one fenced statement (the same as an atomic batch's), one lease check, one commit.
-//! Below that concurrency nothing waits and every mutation runs its own statement.
+//! arrives while that many run joins a queue, and the next statement to start takes the queue
+//! (oldest first, up to [`MAX_GROUP`] mutations and [`MAX_GROUP_BYTES`] of values): one fenced
+//! statement (the same as an atomic batch's), one lease check, one commit. Below that
+//! concurrency nothing waits and every mutation runs its own statement.
 //!
 //! Fencing is unchanged: a queued mutation commits only inside a statement guarded by the
 //! lease CTE, like any other. Per-key order is unchanged: a mutation joins the queue holding
@@ -66,9 +67,14 @@ impl Coalescer {
 
     /// Takes the oldest queued mutations, as many as one statement should carry: at least one,
     /// at most [`MAX_GROUP`] and, past the first, at most [`MAX_GROUP_BYTES`] of values. The
-    /// rest stay queued for the next statement.
-    fn take_group(&self) -> Vec<Queued> {
+    /// rest stay queued for the next statement. Takes nothing unless `own` (the caller's key)
+    /// is still queued: a caller whose mutation is already in a statement leaves the queue to
+    /// the callers still in it.
+    fn take_group(&self, own: &KeyPath) -> Vec<Queued> {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if !queue.iter().any(|queued| queued.path == *own) {
+            return Vec::new();
+        }
         let mut bytes = 0;
         let mut len = 0;
         for queued in queue.iter().take(MAX_GROUP) {
@@ -91,17 +97,21 @@ impl Inner {
     pub(crate) async fn apply_coalesced(&self, path: &KeyPath, mutation: Mutation) -> Result<()> {
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
-        // Every queued mutation's caller waits here for a statement, until a statement took its
-        // mutation (which then reports back) or it takes the queue itself: so whatever is queued
-        // always has a caller about to run it. A caller whose mutation another statement took,
-        // and that gets a statement meanwhile, runs the queue behind it before going on waiting.
-        tokio::select! {
-            biased;
-            reported = &mut outcome => return self.finish(path, reported).await,
-            permit = self.coalescer.statements.acquire() => {
-                let _permit = permit.expect("the semaphore is never closed");
-                let group = self.coalescer.take_group();
-                if !group.is_empty() {
+        // While its mutation is queued, a caller competes for a statement; with one, it takes
+        // the oldest queued mutations (its own among them unless more than a group is queued)
+        // and runs them. So whatever is queued always has a caller about to run it. Once its
+        // mutation is in a statement (its own or another caller's), it only waits for the
+        // report: it never delays its own result by running other callers' mutations.
+        loop {
+            tokio::select! {
+                biased;
+                reported = &mut outcome => return self.finish(path, reported).await,
+                permit = self.coalescer.statements.acquire() => {
+                    let _permit = permit.expect("the semaphore is never closed");
+                    let group = self.coalescer.take_group(path);
+                    if group.is_empty() {
+                        break; // Ours is in another caller's statement.
+                    }
                     self.run_group(group).await;
                 }
             }

@@ -106,6 +106,38 @@ async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_queue_is_split_into_groups_and_every_write_commits() {
+    let table = common::table("coal_long");
+    let store = open_serial(&table).await;
+    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
+
+    let mut admin = common::admin().await;
+    let blocker = block_key(&mut admin, &table, "blocker").await;
+    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
+    wait_until_blocked(&table).await;
+    let queued: Vec<_> = (0..2500u32)
+        .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), i.to_be_bytes().to_vec())))
+        .collect();
+    settle().await;
+    drop(blocker);
+
+    within("blocked write", first).await.unwrap().unwrap();
+    for q in queued {
+        within("queued write", q).await.unwrap().unwrap();
+    }
+    let rows = writers_of(&table).await;
+    assert_eq!(rows.len(), 2501, "every queued write committed");
+    let mut per_transaction: BTreeMap<&String, usize> = BTreeMap::new();
+    for xmin in rows.values() {
+        *per_transaction.entry(xmin).or_default() += 1;
+    }
+    let largest = per_transaction.values().max().copied().unwrap_or(0);
+    assert!(largest <= 1000, "no statement carries more than 1,000 writes: {largest}");
+    assert!(largest > 1, "queued writes shared statements: {per_transaction:?}");
+    store.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_write_fails_alone_and_its_group_commits() {
     let table = common::table("coal_err");
     let store = open_serial(&table).await;
