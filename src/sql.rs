@@ -256,6 +256,7 @@ SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"#;
 pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_init.sql")),
     (2, include_str!("../migrations/0002_pagination_index.sql")),
+    (3, include_str!("../migrations/0003_kv_fillfactor.sql")),
 ];
 
 /// The statements of one store, with its table names substituted.

@@ -70,7 +70,8 @@ async fn standby_does_not_migrate_a_held_table() {
     let a = builder(&t).open().await.unwrap();
     let db = admin().await;
     db.batch_execute(&format!(
-        "DROP INDEX \"{t}_created_idx\"; DELETE FROM \"{t}_schema_version\" WHERE version = 2"
+        "DROP INDEX \"{t}_created_idx\"; ALTER TABLE \"{t}\" RESET (fillfactor);
+         DELETE FROM \"{t}_schema_version\" WHERE version >= 2"
     ))
     .await
     .unwrap();
@@ -95,7 +96,13 @@ async fn standby_does_not_migrate_a_held_table() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
+    let options: Option<Vec<String>> = db
+        .query_one("SELECT reloptions FROM pg_class WHERE relname = $1", &[&t])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(options, Some(vec!["fillfactor=70".to_owned()]), "migration 3 ran");
     b.close().await.unwrap();
 }
 
@@ -129,7 +136,7 @@ async fn newer_schema_is_refused_unchanged() {
         .await
         .unwrap();
     let e = builder(&t).open().await.unwrap_err();
-    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 2, .. }), "{e:?}");
+    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 3, .. }), "{e:?}");
     let (_, epoch, _) = lease_row(&db, &t).await;
     assert_eq!(epoch, 1, "no lease was taken");
 }
