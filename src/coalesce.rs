@@ -95,6 +95,11 @@ impl Inner {
     /// Applies one mutation while the caller holds its key's turn: in a statement of its own
     /// when one is free, otherwise together with the others waiting. `Ok` means committed.
     pub(crate) async fn apply_coalesced(&self, path: &KeyPath, mutation: Mutation) -> Result<()> {
+        // Below `write_concurrency` a statement is free (a released permit goes to a waiting
+        // caller first, so a free one means nobody waits): run at once, without queueing.
+        if let Ok(_permit) = self.coalescer.statements.try_acquire() {
+            return self.apply_alone(path, &mutation).await;
+        }
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
         // While its mutation is queued, a caller competes for a statement; with one, it takes
@@ -149,7 +154,7 @@ impl Inner {
         tracing::debug!(mutations = group.len(), "pgfence coalesced mutations into one statement");
         let result = batch::apply_fenced(self, group.iter().map(|q| (&q.path, &q.mutation))).await;
         if let Err(e) = &result {
-            tracing::debug!(error = %e, mutations = group.len(),
+            tracing::warn!(error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
         }
         for Queued { mutation, done, .. } in group {
