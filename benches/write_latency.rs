@@ -6,12 +6,16 @@
 //!   the design the fenced statement replaced.
 //! - `read`, `remove`, `batch_100` (a 100-put atomic batch): the store's other operations.
 //!
+//! Every write (and every put of a batch) writes a value different in every byte from the
+//! key's previous one, like a real state update: PostgreSQL logs only the changed middle of a
+//! row updated in place, so rewriting one constant value would hide most of a write's WAL.
+//!
 //! Each sample times only the awaited operation (`iter_custom`): building values and keys, and
 //! the setup of `remove` (writing the key it removes), are outside the timed section, and so is
 //! criterion's own executor work between iterations.
 //!
 //! Runs against `DATABASE_URL`, or a private temporary cluster that is stopped when the bench
-//! ends. `PGFENCE_BENCH_DELAY_US=600` puts a delay proxy (600 µs each way, ~1.2 ms round trip)
+//! ends. `PGFENCE_BENCH_DELAY_US=370` puts a delay proxy (370 µs each way: a 1.14-1.41 ms round trip here)
 //! between every connection and the server.
 //!
 //! `cargo bench --bench write_latency` (add `-- fenced` etc. to pick benchmarks).
@@ -113,7 +117,8 @@ fn write_latency(c: &mut Criterion) {
         b.to_async(&f.rt).iter_custom(|iters| async move {
             let mut total = Duration::ZERO;
             for i in 0..iters {
-                let (key, value) = (format!("f{}", i as usize % KEYS), f.value.clone());
+                let (key, value) =
+                    (format!("f{}", i as usize % KEYS), support::value(VALUE_SIZE, i));
                 let start = Instant::now();
                 f.store.write(NS, SUB, &key, value).await.expect("fenced write");
                 total += start.elapsed();
@@ -126,9 +131,10 @@ fn write_latency(c: &mut Criterion) {
         b.to_async(&f.rt).iter_custom(|iters| async move {
             let mut total = Duration::ZERO;
             for i in 0..iters {
-                let key = format!("u{}", i as usize % KEYS);
+                let (key, value) =
+                    (format!("u{}", i as usize % KEYS), support::value(VALUE_SIZE, i));
                 let start = Instant::now();
-                f.baseline.unfenced(&key, &f.value).await.expect("unfenced upsert");
+                f.baseline.unfenced(&key, &value).await.expect("unfenced upsert");
                 total += start.elapsed();
             }
             total
@@ -139,9 +145,10 @@ fn write_latency(c: &mut Criterion) {
         b.to_async(&f.rt).iter_custom(|iters| async move {
             let mut total = Duration::ZERO;
             for i in 0..iters {
-                let key = format!("n{}", i as usize % KEYS);
+                let (key, value) =
+                    (format!("n{}", i as usize % KEYS), support::value(VALUE_SIZE, i));
                 let start = Instant::now();
-                f.baseline.naive(&key, &f.value).await.expect("naive fenced write");
+                f.baseline.naive(&key, &value).await.expect("naive fenced write");
                 total += start.elapsed();
             }
             total
@@ -184,7 +191,8 @@ fn write_latency(c: &mut Criterion) {
                 let mut batch = f.store.batch();
                 for j in 0..100 {
                     let key = format!("b{}", (i as usize * 100 + j) % KEYS);
-                    batch = batch.put(NS, SUB, &key, f.value.clone());
+                    batch =
+                        batch.put(NS, SUB, &key, support::value(VALUE_SIZE, i * 100 + j as u64));
                 }
                 let start = Instant::now();
                 batch.commit().await.expect("batch of 100");

@@ -40,7 +40,6 @@ mod support;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgfence::PgKvStore;
@@ -343,7 +342,7 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
     pings.sort();
     let rtt = (percentile(&pings, 50.0), percentile(&pings, 99.0));
 
-    let workload = Workload { store: store.clone(), baseline, value: Arc::new(value) };
+    let workload = Workload { store: store.clone(), baseline, value_size: args.value_size };
     let mut results: BTreeMap<(usize, Variant), Measured> = BTreeMap::new();
     for &writers in &args.concurrency {
         // Warm-up, untimed: every pooled connection opened and every statement prepared.
@@ -429,16 +428,24 @@ fn key(writer: usize, k: usize) -> String {
 struct Workload {
     store: PgKvStore,
     baseline: Baseline,
-    value: Arc<Vec<u8>>,
+    value_size: usize,
 }
 
 impl Workload {
-    async fn write(&self, variant: Variant, key: &str) -> Result<(), BoxError> {
+    /// The value of the `n`th write of a writer: different in every byte from the last one, as
+    /// a real state update would be (PostgreSQL logs only the changed middle of an updated row
+    /// that stays on its page, so rewriting one value again and again would hide most of the
+    /// WAL a write costs).
+    fn value(&self, n: u64) -> Vec<u8> {
+        support::value(self.value_size, n)
+    }
+
+    async fn write(&self, variant: Variant, key: &str, value: Vec<u8>) -> Result<(), BoxError> {
         match variant {
-            Variant::Unfenced => self.baseline.unfenced(key, &self.value).await,
-            Variant::Fenced => Ok(self.store.write(NS, SUB, key, self.value.to_vec()).await?),
-            Variant::Naive => self.baseline.naive(key, &self.value).await,
-            Variant::Solo => self.baseline.fenced(key, &self.value).await,
+            Variant::Unfenced => self.baseline.unfenced(key, &value).await,
+            Variant::Fenced => Ok(self.store.write(NS, SUB, key, value).await?),
+            Variant::Naive => self.baseline.naive(key, &value).await,
+            Variant::Solo => self.baseline.fenced(key, &value).await,
         }
     }
 }
@@ -459,9 +466,10 @@ async fn slice(
         let mut i = 0;
         while Instant::now() < deadline {
             let key = key(w, i % keys_per_writer);
+            let value = workload.value(i as u64);
             i += 1;
             let began = Instant::now();
-            workload.write(variant, &key).await?;
+            workload.write(variant, &key, value).await?;
             latencies.push(began.elapsed());
         }
         Ok::<_, BoxError>(latencies)
