@@ -76,7 +76,7 @@ def main():
         tput_ax.set_ylabel("writes per second (x: vs unfenced)")
         lat_ax.set_title(title(run), fontsize=9, loc="left")
         lat_ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle("pgfence: fenced write vs unfenced upsert vs naive fenced transaction", fontsize=11)
+    fig.suptitle("pgfence: store write (fenced, coalescing) vs unfenced upsert vs one fenced statement per write (solo) vs naive transaction", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -19,32 +19,48 @@ async fn open_serial(table: &str) -> PgKvStore {
     common::builder(table).write_concurrency(1).open().await.expect("open store")
 }
 
-/// Blocks the store's next write of `key` inside its statement: an administrator transaction
-/// row-locks the key's row (which must exist), so the statement waits on it while holding the
-/// store's only write slot. Dropping the returned transaction (a rollback) lets it go on.
-async fn block_key<'a>(
-    admin: &'a mut tokio_postgres::Client,
-    table: &str,
-    key: &str,
-) -> tokio_postgres::Transaction<'a> {
-    let tx = admin.transaction().await.unwrap();
-    let locked = tx
-        .query(&format!("SELECT 1 FROM \"{table}\" WHERE key = $1 FOR UPDATE"), &[&key])
-        .await
-        .unwrap();
-    assert_eq!(locked.len(), 1, "the blocking row exists");
-    tx
+/// A store whose only write statement is stuck: its write of the key `blocker` waits on an
+/// administrator's row lock, so every other write queues behind it until [`Stall::release`].
+struct Stall {
+    first: tokio::task::JoinHandle<pgfence::Result<()>>,
+    release: tokio::sync::oneshot::Sender<()>,
+    locker: tokio::task::JoinHandle<()>,
 }
 
-/// Waits until a statement of the store is blocked on the administrator's row lock, asking the
-/// server (never a timing guess).
-async fn wait_until_blocked(table: &str) {
+/// Stalls `store` (opened with [`open_serial`] on `table`): writes the key `blocker`, has an
+/// administrator transaction lock its row, starts a second write of it and waits until the
+/// server shows that write waiting on the lock (asking the server, never a timing guess).
+async fn stall(store: &PgKvStore, table: &str) -> Stall {
+    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
+    let (locked, is_locked) = tokio::sync::oneshot::channel();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let sql = format!("SELECT 1 FROM \"{table}\" WHERE key = 'blocker' FOR UPDATE");
+    let locker = tokio::spawn(async move {
+        let mut admin = common::admin().await;
+        let tx = admin.transaction().await.unwrap();
+        assert_eq!(tx.query(&sql, &[]).await.unwrap().len(), 1, "the blocking row exists");
+        locked.send(()).unwrap();
+        let _ = released.await;
+        tx.rollback().await.unwrap();
+    });
+    within("row lock", is_locked).await.unwrap();
+    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
     common::wait_for_row(
         "the store's statement waiting on the row lock",
         "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
         &[&table],
     )
     .await;
+    Stall { first, release, locker }
+}
+
+impl Stall {
+    /// Rolls the administrator's transaction back; the stuck write then commits.
+    async fn release(self) {
+        self.release.send(()).unwrap();
+        within("administrator rollback", self.locker).await.unwrap();
+        within("the stuck write", self.first).await.unwrap().unwrap();
+    }
 }
 
 /// Lets tasks that were just spawned reach the store's queue. Only a settle time for the
@@ -76,21 +92,15 @@ async fn writers_of(table: &str) -> BTreeMap<String, String> {
 async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
     let table = common::table("coal_one");
     let store = open_serial(&table).await;
-    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
     store.write(NS, SUB, "old", b"old".to_vec()).await.unwrap();
-
-    let mut admin = common::admin().await;
-    let blocker = block_key(&mut admin, &table, "blocker").await;
-    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
-    wait_until_blocked(&table).await;
+    let stall = stall(&store, &table).await;
     let queued: Vec<_> = (0..5)
         .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), vec![i])))
         .chain([tokio::spawn(store.remove(NS, SUB, "old", false))])
         .collect();
     settle().await;
-    drop(blocker);
+    stall.release().await;
 
-    within("blocked write", first).await.unwrap().unwrap();
     for q in queued {
         within("queued write", q).await.unwrap().unwrap();
     }
@@ -109,19 +119,13 @@ async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
 async fn a_long_queue_is_split_into_groups_and_every_write_commits() {
     let table = common::table("coal_long");
     let store = open_serial(&table).await;
-    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
-
-    let mut admin = common::admin().await;
-    let blocker = block_key(&mut admin, &table, "blocker").await;
-    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
-    wait_until_blocked(&table).await;
+    let stall = stall(&store, &table).await;
     let queued: Vec<_> = (0..2500u32)
         .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), i.to_be_bytes().to_vec())))
         .collect();
     settle().await;
-    drop(blocker);
+    stall.release().await;
 
-    within("blocked write", first).await.unwrap().unwrap();
     for q in queued {
         within("queued write", q).await.unwrap().unwrap();
     }
@@ -141,7 +145,6 @@ async fn a_long_queue_is_split_into_groups_and_every_write_commits() {
 async fn a_failing_write_fails_alone_and_its_group_commits() {
     let table = common::table("coal_err");
     let store = open_serial(&table).await;
-    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
     let admin = common::admin().await;
     // A trigger that refuses one key: a database error that belongs to one write only.
     admin
@@ -157,17 +160,13 @@ async fn a_failing_write_fails_alone_and_its_group_commits() {
         .await
         .unwrap();
 
-    let mut blocking = common::admin().await;
-    let blocker = block_key(&mut blocking, &table, "blocker").await;
-    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
-    wait_until_blocked(&table).await;
+    let stall = stall(&store, &table).await;
     let good_a = tokio::spawn(store.write(NS, SUB, "good_a", b"a".to_vec()));
     let poison = tokio::spawn(store.write(NS, SUB, "poison", b"p".to_vec()));
     let good_b = tokio::spawn(store.write(NS, SUB, "good_b", b"b".to_vec()));
     settle().await;
-    drop(blocker);
+    stall.release().await;
 
-    within("blocked write", first).await.unwrap().unwrap();
     within("good_a", good_a).await.unwrap().unwrap();
     within("good_b", good_b).await.unwrap().unwrap();
     let err = within("poison", poison).await.unwrap().unwrap_err();
@@ -186,12 +185,7 @@ async fn a_failing_write_fails_alone_and_its_group_commits() {
 async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
     let table = common::table("coal_lost");
     let store = open_serial(&table).await;
-    store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
-
-    let mut blocking = common::admin().await;
-    let blocker = block_key(&mut blocking, &table, "blocker").await;
-    let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
-    wait_until_blocked(&table).await;
+    let stall = stall(&store, &table).await;
     let queued: Vec<_> =
         (0..3).map(|i| tokio::spawn(store.write(NS, SUB, &format!("q{i}"), vec![i]))).collect();
     settle().await;
@@ -208,9 +202,8 @@ async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
         )
         .await
         .unwrap();
-    drop(blocker);
+    stall.release().await;
 
-    within("blocked write", first).await.unwrap().unwrap();
     for q in queued {
         let err = within("queued write", q).await.unwrap().unwrap_err();
         assert!(matches!(err, Error::LeaseLost { .. }), "fenced: {err:?}");
