@@ -55,13 +55,24 @@ async fn stall(store: &PgKvStore, table: &str) -> Stall {
 }
 
 impl Stall {
-    /// Rolls the administrator's transaction back; the stuck write then commits.
-    async fn release(self) {
+    /// Lets the spawned `queued` calls reach the store's queue ([`settle`]), rolls the
+    /// administrator's transaction back (the stuck write then commits) and returns the queued
+    /// calls' results, in order.
+    async fn release(self, queued: Vec<Call>) -> Vec<pgfence::Result<()>> {
+        settle().await;
         self.release.send(()).unwrap();
         within("administrator rollback", self.locker).await.unwrap();
         within("the stuck write", self.first).await.unwrap().unwrap();
+        let mut results = Vec::new();
+        for call in queued {
+            results.push(within("queued call", call).await.unwrap());
+        }
+        results
     }
 }
+
+/// A spawned `write` or `remove`.
+type Call = tokio::task::JoinHandle<pgfence::Result<()>>;
 
 /// Lets tasks that were just spawned reach the store's queue. Only a settle time for the
 /// scenario: every assertion below holds whether or not a write made it into the shared
@@ -98,11 +109,8 @@ async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
         .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), vec![i])))
         .chain([tokio::spawn(store.remove(NS, SUB, "old", false))])
         .collect();
-    settle().await;
-    stall.release().await;
-
-    for q in queued {
-        within("queued write", q).await.unwrap().unwrap();
+    for result in stall.release(queued).await {
+        result.unwrap();
     }
     let rows = writers_of(&table).await;
     assert!(!rows.contains_key("old"), "the queued remove committed");
@@ -123,11 +131,8 @@ async fn a_long_queue_is_split_into_groups_and_every_write_commits() {
     let queued: Vec<_> = (0..2500u32)
         .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), i.to_be_bytes().to_vec())))
         .collect();
-    settle().await;
-    stall.release().await;
-
-    for q in queued {
-        within("queued write", q).await.unwrap().unwrap();
+    for result in stall.release(queued).await {
+        result.unwrap();
     }
     let rows = writers_of(&table).await;
     assert_eq!(rows.len(), 2501, "every queued write committed");
@@ -161,21 +166,19 @@ async fn a_failing_write_fails_alone_and_its_group_commits() {
         .unwrap();
 
     let stall = stall(&store, &table).await;
-    let good_a = tokio::spawn(store.write(NS, SUB, "good_a", b"a".to_vec()));
-    let poison = tokio::spawn(store.write(NS, SUB, "poison", b"p".to_vec()));
-    let good_b = tokio::spawn(store.write(NS, SUB, "good_b", b"b".to_vec()));
-    settle().await;
-    stall.release().await;
-
-    within("good_a", good_a).await.unwrap().unwrap();
-    within("good_b", good_b).await.unwrap().unwrap();
-    let err = within("poison", poison).await.unwrap().unwrap_err();
+    let queued = ["good_a", "poison", "good_b"]
+        .map(|key| tokio::spawn(store.write(NS, SUB, key, key.as_bytes().to_vec())));
+    let [good_a, poison, good_b] =
+        <[_; 3]>::try_from(stall.release(queued.into()).await).expect("three results");
+    good_a.unwrap();
+    good_b.unwrap();
+    let err = poison.unwrap_err();
     assert!(matches!(err, Error::Database { .. }), "the refused write's own error: {err:?}");
     let message = format!("{:?}", err);
     assert!(message.contains("poison refused"), "carries the trigger's message: {message}");
 
-    assert_eq!(store.read(NS, SUB, "good_a").await.unwrap(), b"a");
-    assert_eq!(store.read(NS, SUB, "good_b").await.unwrap(), b"b");
+    assert_eq!(store.read(NS, SUB, "good_a").await.unwrap(), b"good_a");
+    assert_eq!(store.read(NS, SUB, "good_b").await.unwrap(), b"good_b");
     assert!(store.read(NS, SUB, "poison").await.unwrap_err().is_not_found());
     assert!(matches!(*store.lease_state().borrow(), pgfence::LeaseState::Held { .. }));
     store.close().await.unwrap();
@@ -188,7 +191,6 @@ async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
     let stall = stall(&store, &table).await;
     let queued: Vec<_> =
         (0..3).map(|i| tokio::spawn(store.write(NS, SUB, &format!("q{i}"), vec![i]))).collect();
-    settle().await;
     // Expire the lease in the database. Changing only expires_at does not wait for the blocked
     // statement, which checked the lease before it blocked and so still commits.
     common::admin()
@@ -202,10 +204,8 @@ async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
         )
         .await
         .unwrap();
-    stall.release().await;
-
-    for q in queued {
-        let err = within("queued write", q).await.unwrap().unwrap_err();
+    for result in stall.release(queued).await {
+        let err = result.unwrap_err();
         assert!(matches!(err, Error::LeaseLost { .. }), "fenced: {err:?}");
     }
     let rows = writers_of(&table).await;
