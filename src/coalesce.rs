@@ -2,7 +2,8 @@
 //!
 //! Every fenced statement share-locks the one lease row. When many run at once, PostgreSQL
 //! records the concurrent lockers in a MultiXact, which costs WAL and server CPU on every
-//! write (measured: about one MultiXact and nearly twice the WAL per write with 16 writers).
+//! write (measured with 16 writers, one statement per write: one MultiXact and 200-230 more
+//! bytes of WAL per write, 1.25-1.4x the server CPU of an unfenced upsert; see BENCHMARKS.md).
 //! So at most `write_concurrency` single-key mutation statements run at once. A mutation that
 //! arrives while that many run joins a queue, and the next statement to start takes the queue
 //! (oldest first, up to [`MAX_GROUP`] mutations and [`MAX_GROUP_BYTES`] of values): one fenced
