@@ -151,6 +151,19 @@ impl PgKvStore {
         self.io.block_on(self.store.remove(primary_namespace, secondary_namespace, key, lazy))
     }
 
+    /// Starts an empty atomic batch of puts and removes (see [`crate::Batch`]); apply it with
+    /// [`PgKvStore::commit`].
+    pub fn batch(&self) -> crate::Batch {
+        self.store.batch()
+    }
+
+    /// Applies an atomic batch built with [`PgKvStore::batch`]: all or nothing, one fence
+    /// check, one statement. Every key's place in its order is taken in this call, as
+    /// [`crate::Batch::commit`] does. `Ok` means committed under this store's lease.
+    pub fn commit(&self, batch: crate::Batch) -> Result<()> {
+        self.io.block_on(batch.commit())
+    }
+
     /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
     pub fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> Result<Vec<String>> {
         let store = self.store.clone();

@@ -177,6 +177,37 @@ fn close_then_every_operation_is_closed() {
     });
 }
 
+/// Atomic batches through the facade, from every kind of context: all or nothing, and ordered
+/// with single writes by call.
+#[test]
+fn batches_commit_atomically_and_in_call_order() {
+    for place in Where::ALL {
+        run_in(place, "batch", || async {
+            let table = common::table("blkbatch");
+            let store = PgKvStore::open(common::builder(&table)).unwrap();
+            store.write("b", "s", "gone", b"x".to_vec()).unwrap();
+            let batch = store
+                .batch()
+                .put("b", "s", "a", b"a".to_vec())
+                .put("b", "s", "c", b"c".to_vec())
+                .remove("b", "s", "gone");
+            store.commit(batch).unwrap();
+            assert_eq!(store.list("b", "s").unwrap(), ["a", "c"]);
+            // A batch with an invalid key writes nothing.
+            let bad = store.batch().put("b", "s", "d", b"d".to_vec()).put("b", "s", "", vec![]);
+            assert!(matches!(store.commit(bad), Err(pgfence::Error::InvalidKey { .. })));
+            assert_eq!(store.list("b", "s").unwrap(), ["a", "c"]);
+            // Batches and single writes of one key take effect in call order (sequential calls
+            // here; concurrent calls are covered by tests/batch.rs on the async store).
+            store.commit(store.batch().put("b", "s", "a", b"batch".to_vec())).unwrap();
+            assert_eq!(store.read("b", "s", "a").unwrap(), b"batch");
+            store.write("b", "s", "a", b"single".to_vec()).unwrap();
+            assert_eq!(store.read("b", "s", "a").unwrap(), b"single");
+            store.close().unwrap();
+        });
+    }
+}
+
 /// Many threads at once, one shared key among them: no deadlock, and the key ends with the
 /// value of a write that returned `Ok` last in a sequence made by one thread.
 #[test]
