@@ -45,12 +45,7 @@ async fn stall(store: &PgKvStore, table: &str) -> Stall {
     });
     within("row lock", is_locked).await.unwrap();
     let first = tokio::spawn(store.write(NS, SUB, "blocker", b"1".to_vec()));
-    common::wait_for_row(
-        "the store's statement waiting on the row lock",
-        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'",
-        &[&table],
-    )
-    .await;
+    common::wait_for_query_lock_wait(&format!("%\"{table}\"%")).await;
     Stall { first, release, locker }
 }
 

@@ -322,7 +322,7 @@ async fn in_flight_write_fences_the_takeover() {
     let tx = blocker.transaction().await.unwrap();
     tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
     let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
-    wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
 
     // The lease expires (an UPDATE of expires_at only: it does not wait for the writer).
     let db = admin().await;
@@ -334,7 +334,7 @@ async fn in_flight_write_fences_the_takeover() {
     .unwrap();
     // A contender opens: its acquisition must wait on the writer's FOR KEY SHARE.
     let contender = tokio::spawn(builder(&t).application_name("second").open());
-    wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
     assert!(!contender.is_finished() && !write.is_finished());
 
     tx.commit().await.unwrap(); // Let the write go on.
@@ -351,12 +351,6 @@ async fn in_flight_write_fences_the_takeover() {
     assert!(store.write("f", "s", "k", b"late".to_vec()).await.unwrap_err().is_lease_lost());
     second.write("f", "s", "k", b"new".to_vec()).await.unwrap();
     second.close().await.unwrap();
-}
-
-/// Waits until some backend running a query matching `pattern` (SQL LIKE) waits on a lock.
-async fn wait_for_query_lock_wait(pattern: &str) {
-    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
-    common::wait_for_row("lock wait", sql, &[&pattern]).await
 }
 
 /// Renewal blocked past the local deadline: the store fails closed while the database still

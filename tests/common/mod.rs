@@ -116,6 +116,12 @@ pub async fn wait_for_row(
     .await
 }
 
+/// Waits until some backend running a query matching `pattern` (SQL LIKE) waits on a lock.
+pub async fn wait_for_query_lock_wait(pattern: &str) {
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    wait_for_row("lock wait", sql, &[&pattern]).await
+}
+
 /// Waits (bounded by [`HANG_GUARD`]) until the store reports its lease lost.
 pub async fn wait_until_lost(store: &PgKvStore) {
     let mut state = store.lease_state();
