@@ -292,3 +292,90 @@ async fn ten_thousand_operations_in_one_batch() {
     }));
     store.close().await.unwrap();
 }
+
+/// Every batch statement is planned once per connection, not on every execution: PostgreSQL
+/// switches a prepared statement to its generic plan after five executions when that plan does
+/// not look costlier than the custom ones, and the statements are written so that it does not
+/// (see `sql::BATCH`). Checked on the one connection of a one-connection pool, from
+/// `pg_prepared_statements`, after small batches of every shape. (Before `sql::BATCH` read its
+/// removes through subqueries, all 24 batches with removes here were planned afresh.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_statements_are_planned_once_per_connection() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    let manager = Manager::new(common::server().config(), pgfence::tokio_postgres::NoTls);
+    let pool = Pool::builder(manager).max_size(1).build().unwrap();
+    let table = common::table("batch_plans");
+    let store = PgKvStore::builder_from_pool(pool.clone())
+        .table(&table)
+        .lease_ttl(std::time::Duration::from_secs(15))
+        .renew_interval(std::time::Duration::from_secs(3))
+        .open()
+        .await
+        .unwrap();
+
+    // A table of some size, with statistics: on a near-empty one every plan looks cheap.
+    let admin = common::admin().await;
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO \"{table}\" (primary_namespace, secondary_namespace, key, value, epoch) \
+             SELECT 'other', '', 'k' || g, '\\x00', 0 FROM generate_series(1, 100000) g; \
+             ANALYZE \"{table}\""
+        ))
+        .await
+        .unwrap();
+
+    const ROUNDS: i64 = 12;
+    for i in 0..ROUNDS {
+        let (a, b) = (format!("a{i}"), format!("b{i}"));
+        // Puts only.
+        store
+            .batch()
+            .put(NS, SUB, &a, b"1".to_vec())
+            .put(NS, SUB, &b, b"2".to_vec())
+            .commit()
+            .await
+            .unwrap();
+        // Puts and a remove.
+        let c = format!("c{i}");
+        store
+            .batch()
+            .put(NS, SUB, &c, b"3".to_vec())
+            .put(NS, SUB, &a, b"4".to_vec())
+            .remove(NS, SUB, &b)
+            .commit()
+            .await
+            .unwrap();
+        // A remove only.
+        store.batch().remove(NS, SUB, &c).commit().await.unwrap();
+    }
+
+    let client = pool.get().await.unwrap();
+    let plans: Vec<(String, i64, i64)> = client
+        .query(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
+              WHERE statement LIKE '%unnest%' AND strpos(statement, $1) > 0",
+            &[&table],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let counts = |with_removes: bool| {
+        let found: Vec<_> = plans
+            .iter()
+            .filter(|(sql, _, _)| sql.contains("DELETE") == with_removes)
+            .map(|(_, generic, custom)| (*generic, *custom))
+            .collect();
+        assert_eq!(found.len(), 1, "one batch statement with removes={with_removes}: {plans:?}");
+        found[0]
+    };
+    // Puts only: one statement, run ROUNDS times.
+    let (generic, custom) = counts(false);
+    assert_eq!((generic + custom, custom), (ROUNDS, 5), "puts-only batches");
+    // With removes: one statement, run twice per round.
+    let (generic, custom) = counts(true);
+    assert_eq!((generic + custom, custom), (2 * ROUNDS, 5), "batches with removes");
+    drop(client);
+    store.close().await.unwrap();
+}
