@@ -136,7 +136,8 @@ impl Batch {
                 })
                 .collect()),
         };
-        detached(async move { apply(&inner, entries?).await }.instrument(span))
+        let abandoned = inner.abandoned();
+        detached(async move { apply(&inner, entries?).await }.instrument(span), abandoned)
     }
 }
 

@@ -142,9 +142,10 @@ pub enum LossReason {
     /// Renewal could not be confirmed before the local deadline, which comes before the
     /// database-side expiry.
     DeadlinePassed,
-    /// A connection broke under a write and the server session that may still commit it
-    /// could not be confirmed ended: the store stops rather than risk that write landing after
-    /// a later call of the same key.
+    /// A write's statement may still commit and its outcome cannot be learned: its connection
+    /// broke and the server session running it could not be confirmed ended, or the task
+    /// running it was dropped mid-statement (its runtime shut down). The store stops rather
+    /// than risk that write landing after a later call of the same key.
     WriteOutcomeUnknown,
 }
 
@@ -157,7 +158,7 @@ impl fmt::Display for LossReason {
                 "renewal not confirmed before the local deadline (fail closed before DB expiry)"
             }
             LossReason::WriteOutcomeUnknown => {
-                "a write's outcome could not be resolved after its connection broke"
+                "a write's outcome could not be resolved (its connection broke or its task was dropped)"
             }
         })
     }

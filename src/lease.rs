@@ -115,6 +115,15 @@ impl Lease {
         }
     }
 
+    /// Marks the lease lost where there is no caller to tell (a destructor): no policy is
+    /// applied here; the next operation's [`Lease::check`] reports the loss and applies it.
+    /// Nothing to lose after the lease was given up.
+    pub(crate) fn lose_unreported(&self, reason: LossReason) {
+        if !self.given_up.load(Ordering::SeqCst) {
+            self.lose(reason);
+        }
+    }
+
     /// Marks the lease lost, applies the loss policy and returns the error to hand to the
     /// caller. After the lease was given up (close, drop) there is nothing to lose: an
     /// operation still running then gets `Closed`, and the state stays `Released`.

@@ -216,8 +216,10 @@ impl PgKvStore {
             .and_then(|()| inner.check_value(&value))
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("write", primary_namespace, secondary_namespace, key);
+        let abandoned = inner.abandoned();
         detached(
             async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span),
+            abandoned,
         )
     }
 
@@ -236,7 +238,11 @@ impl PgKvStore {
         let prepared = check_key(primary_namespace, secondary_namespace, key)
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("remove", primary_namespace, secondary_namespace, key);
-        detached(async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span))
+        let abandoned = inner.abandoned();
+        detached(
+            async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span),
+            abandoned,
+        )
     }
 
     /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
@@ -430,6 +436,14 @@ impl Inner {
         self.order.ticket(KeyPath::new(primary_namespace, secondary_namespace, key))
     }
 
+    /// What the caller of a mutation gets if the task running it is dropped unfinished (its
+    /// runtime shut down): the lease's loss if a statement was left with an unknown outcome
+    /// (see [`OutcomePending`]), `Closed` otherwise.
+    pub(crate) fn abandoned(self: &Arc<Self>) -> impl FnOnce() -> Error + Send + 'static + use<> {
+        let inner = Arc::clone(self);
+        move || inner.lease.check().err().unwrap_or(Error::Closed)
+    }
+
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
         if value.len() > self.max_value_size {
             return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
@@ -535,10 +549,12 @@ impl Inner {
         loop {
             self.lease.check()?;
             let mut sent_to: Option<Backend> = None;
+            let mut pending: Option<OutcomePending> = None;
             let attempt = async {
                 let client = self.pool.get().await.map_err(Error::pool(operation))?;
                 let backend = if mutation { Some(self.backend(&client).await?) } else { None };
                 let statement = client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
                 sent_to = backend;
                 client.query(&statement, params).await.map_err(Error::db(operation))
             };
@@ -547,6 +563,9 @@ impl Inner {
                 if e.is_retryable() {
                     self.await_backend_gone(backend).await?;
                 }
+            }
+            if let Some(pending) = pending {
+                pending.settled();
             }
             match result {
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
@@ -669,15 +688,43 @@ pub(crate) struct Backend {
 /// (otherwise a later call of the key could run first and be overwritten by the orphaned
 /// statement), and an `open()` that has committed its lease still starts renewal (the store is
 /// then dropped, which releases the lease). A panic in the task (`LeaseLossPolicy::Panic`) is
-/// resumed in the caller.
+/// resumed in the caller. If the task is dropped unfinished (its runtime shut down while the
+/// caller waits from elsewhere), the caller gets `abandoned()`.
 pub(crate) async fn detached<T: Send + 'static>(
     work: impl Future<Output = Result<T>> + Send + 'static,
+    abandoned: impl FnOnce() -> Error,
 ) -> Result<T> {
     match tokio::spawn(work).await {
         Ok(result) => result,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // Only when the runtime itself is shutting down.
-        Err(_) => Err(Error::Closed),
+        // The task was dropped unfinished: only when its runtime shuts down.
+        Err(_) => Err(abandoned()),
+    }
+}
+
+/// Armed while a mutation's statement may be running on the server and its outcome is not
+/// known yet. Dropped armed, because the task running the statement was dropped (its runtime
+/// shut down) or unwound by a panic, it marks the lease lost (`WriteOutcomeUnknown`): nobody
+/// will learn that outcome, the key's turn is gone with the task, and the statement may still
+/// commit after a later call of the same key. [`OutcomePending::settled`] disarms it.
+struct OutcomePending<'a> {
+    lease: &'a Lease,
+}
+
+impl OutcomePending<'_> {
+    /// The statement's outcome is known (or, after a broken connection, its server process is
+    /// confirmed gone): nothing of it can land later.
+    fn settled(self) {
+        std::mem::forget(self); // Holds only a reference: nothing leaks.
+    }
+}
+
+impl Drop for OutcomePending<'_> {
+    fn drop(&mut self) {
+        tracing::error!(
+            "pgfence mutation dropped while its statement may still be running on the server"
+        );
+        self.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
     }
 }
 
@@ -723,7 +770,7 @@ impl Builder {
     /// live store holds the lease. Creates the database if it does not exist and the role may.
     pub async fn open(self) -> Result<PgKvStore> {
         let table = self.validate()?;
-        detached(self.open_here(table).instrument(tracing::Span::current())).await
+        detached(self.open_here(table).instrument(tracing::Span::current()), || Error::Closed).await
     }
 
     async fn open_here(self, table: TableName) -> Result<PgKvStore> {

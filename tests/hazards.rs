@@ -1,6 +1,7 @@
 //! The subtle ways ordering and fencing can break: a statement orphaned by a broken
-//! connection, a dropped write future, a stale expiry check after a lock wait, a stalled
-//! contender, a hung close, and a loss found by renewal.
+//! connection, a dropped write future, a write whose runtime shuts down mid-statement, a stale
+//! expiry check after a lock wait, a stalled contender, a hung close, and a loss found by
+//! renewal.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use common::{admin, builder, lease_row, lease_table, table, within};
 use pgfence::testing::{Proxy, TestServer};
-use pgfence::{Error, LeaseState, PgKvStore};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore};
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -129,6 +130,52 @@ async fn dropped_write_future_cannot_overwrite_a_later_call() {
     store.write("d", "s", "k", b"later".to_vec()).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(value_of(&t, "k").await, b"later");
+    store.close().await.unwrap();
+}
+
+/// A write's statement is running on the server when the runtime running its task shuts down
+/// (the store itself lives on: it was opened on another runtime, and renewal has its own
+/// thread). Nobody can learn that statement's outcome, and it still commits later, so the key's
+/// order cannot be vouched for: the store must fail closed rather than let a later call of the
+/// key succeed and then be overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
+    let t = table("rtdown");
+    let store = builder(&t).pool_size(4).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    warm_pool(&store, &t, 4).await;
+    slow_trigger(&t, 2).await;
+
+    // The write is called and awaited on a thread of its own, on a runtime of its own (its
+    // statement task is spawned there), through a handle: the runtime can be shut down while
+    // the caller still waits.
+    let doomed =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let handle = doomed.handle().clone();
+    let write = store.write("r", "s", "k", b"slow".to_vec());
+    let caller = std::thread::spawn(move || handle.block_on(write));
+    wait_for_sleeper(&t).await;
+    doomed.shutdown_background();
+    let outcome = within("caller", tokio::task::spawn_blocking(move || caller.join().unwrap()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "the caller learns that its write's outcome is unknown: {outcome:?}"
+    );
+
+    let later = store.write("r", "s", "k", b"later".to_vec()).await;
+    assert!(
+        matches!(later, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "a later call of the key must not succeed: {later:?}"
+    );
+    // The orphaned statement wakes and commits; no successful call is overwritten by it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(value_of(&t, "k").await, b"slow");
+    assert!(matches!(
+        *store.lease_state().borrow(),
+        LeaseState::Lost { reason: LossReason::WriteOutcomeUnknown, .. }
+    ));
     store.close().await.unwrap();
 }
 
