@@ -66,6 +66,13 @@ impl Coalescer {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(queued);
     }
 
+    /// Takes the caller's own mutation back out of the queue; false if a statement took it.
+    fn withdraw(&self, own: &KeyPath) -> bool {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let position = queue.iter().position(|queued| queued.path == *own);
+        position.map(|i| queue.remove(i)).is_some()
+    }
+
     /// Takes the oldest queued mutations, as many as one statement should carry: at least one,
     /// at most [`MAX_GROUP`] and, past the first, at most [`MAX_GROUP_BYTES`] of values. The
     /// rest stay queued for the next statement. Takes nothing unless `own` (the caller's key)
@@ -101,8 +108,12 @@ impl Inner {
         if let Ok(_permit) = self.coalescer.statements.try_acquire() {
             return self.apply_alone(path, &mutation).await;
         }
+        // A store that has lost its lease fails at once instead of queueing behind statements
+        // that may take a while (they fail too, at their own check).
+        self.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
+        let waiting = Waiting { inner: self, path };
         // While its mutation is queued, a caller competes for a statement; with one, it takes
         // the oldest queued mutations (its own among them unless more than a group is queued)
         // and runs them. So whatever is queued always has a caller about to run it. Once its
@@ -111,7 +122,10 @@ impl Inner {
         loop {
             tokio::select! {
                 biased;
-                reported = &mut outcome => return self.finish(path, reported).await,
+                reported = &mut outcome => {
+                    waiting.reported();
+                    return self.finish(path, reported).await;
+                }
                 permit = self.coalescer.statements.acquire() => {
                     let _permit = permit.expect("the semaphore is never closed");
                     let group = self.coalescer.take_group(path);
@@ -123,6 +137,7 @@ impl Inner {
             }
         }
         let reported = outcome.await;
+        waiting.reported();
         self.finish(path, reported).await
     }
 
@@ -164,6 +179,31 @@ impl Inner {
                 Err(_) => Outcome::Alone(mutation),
             };
             let _ = done.send(outcome);
+        }
+    }
+}
+
+/// Held by a caller from queueing its mutation until it has the report of the statement that
+/// carried it. Dropped before that (the caller's task was dropped: its runtime shut down), it
+/// withdraws the mutation if it is still queued; if a statement already carries it, that
+/// statement may commit it after a later call of the key (whose turn is gone with the task),
+/// so the store fails closed, as for a statement of one's own (see `store::OutcomePending`).
+struct Waiting<'a> {
+    inner: &'a Inner,
+    path: &'a KeyPath,
+}
+
+impl Waiting<'_> {
+    fn reported(self) {
+        std::mem::forget(self); // Holds only references: nothing leaks.
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.inner.coalescer.withdraw(self.path) {
+            tracing::error!("pgfence mutation dropped while a shared statement may still run it");
+            self.inner.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
         }
     }
 }

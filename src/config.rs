@@ -20,7 +20,9 @@ pub enum LeaseLossPolicy {
     FailClosed,
     /// Also panic: in the task that called the operation that found the loss, or on the
     /// renewal thread when renewal found it. A panic on the renewal thread stops the process
-    /// only when it is built with `panic = "abort"`.
+    /// only when it is built with `panic = "abort"`. A loss found where no caller can be told
+    /// (a write's task dropped mid-statement when its runtime shut down) panics in the next
+    /// operation.
     Panic,
     /// Log at error level, then `std::process::abort()`: nothing of the process runs on.
     Abort,

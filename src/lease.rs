@@ -109,18 +109,23 @@ impl Lease {
     /// Marks the lease lost: the first reason wins, and is logged and published once.
     fn lose(&self, reason: LossReason) {
         if self.lost.set(reason).is_ok() {
-            let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
+            let reason = self.reason();
             tracing::error!(table = %self.table, epoch = self.epoch, %reason, "pgfence lease lost");
             self.state.send_replace(LeaseState::Lost { epoch: self.epoch, reason });
         }
     }
 
-    /// Marks the lease lost where there is no caller to tell (a destructor): no policy is
-    /// applied here; the next operation's [`Lease::check`] reports the loss and applies it.
-    /// Nothing to lose after the lease was given up.
+    /// Marks the lease lost where there is no caller to tell (a destructor). `Abort` aborts
+    /// here (safe in a destructor, even while unwinding); a panic is not, so under `Panic` the
+    /// next operation's [`Lease::check`] raises it. Nothing to lose after the lease was given
+    /// up.
     pub(crate) fn lose_unreported(&self, reason: LossReason) {
-        if !self.given_up.load(Ordering::SeqCst) {
-            self.lose(reason);
+        if self.given_up.load(Ordering::SeqCst) {
+            return;
+        }
+        self.lose(reason);
+        if self.policy == LeaseLossPolicy::Abort {
+            self.abort_process(&Error::LeaseLost { epoch: self.epoch, reason: self.reason() });
         }
     }
 
@@ -137,17 +142,23 @@ impl Lease {
 
     /// The `LeaseLost` error, after the policy's panic or abort if it has one.
     fn enforce_policy(&self) -> Error {
-        let reason = self.lost.get().cloned().unwrap_or(LossReason::Fenced);
-        let error = Error::LeaseLost { epoch: self.epoch, reason };
+        let error = Error::LeaseLost { epoch: self.epoch, reason: self.reason() };
         match self.policy {
             LeaseLossPolicy::FailClosed => error,
             LeaseLossPolicy::Panic => panic!("pgfence: {error} (table {})", self.table),
-            LeaseLossPolicy::Abort => {
-                tracing::error!(table = %self.table, %error, "pgfence aborting the process");
-                eprintln!("pgfence: {error} (table {}); aborting the process", self.table);
-                std::process::abort()
-            }
+            LeaseLossPolicy::Abort => self.abort_process(&error),
         }
+    }
+
+    /// Why the lease was lost (`Fenced` if called before it was).
+    fn reason(&self) -> LossReason {
+        self.lost.get().cloned().unwrap_or(LossReason::Fenced)
+    }
+
+    fn abort_process(&self, error: &Error) -> ! {
+        tracing::error!(table = %self.table, %error, "pgfence aborting the process");
+        eprintln!("pgfence: {error} (table {}); aborting the process", self.table);
+        std::process::abort()
     }
 
     /// A renewal that started at `started` (on [`clock`]) was confirmed by the database.

@@ -439,9 +439,9 @@ impl Inner {
     /// What the caller of a mutation gets if the task running it is dropped unfinished (its
     /// runtime shut down): the lease's loss if a statement was left with an unknown outcome
     /// (see [`OutcomePending`]), `Closed` otherwise.
-    pub(crate) fn abandoned(self: &Arc<Self>) -> impl FnOnce() -> Error + Send + 'static + use<> {
-        let inner = Arc::clone(self);
-        move || inner.lease.check().err().unwrap_or(Error::Closed)
+    pub(crate) fn abandoned(&self) -> impl FnOnce() -> Error + Send + 'static + use<> {
+        let lease = Arc::clone(&self.lease);
+        move || lease.check().err().unwrap_or(Error::Closed)
     }
 
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
@@ -559,14 +559,18 @@ impl Inner {
                 client.query(&statement, params).await.map_err(Error::db(operation))
             };
             let result = attempt.await;
-            if let (Err(e), Some(backend)) = (&result, &sent_to) {
-                if e.is_retryable() {
-                    self.await_backend_gone(backend).await?;
+            let gone = match (&result, &sent_to) {
+                (Err(e), Some(backend)) if e.is_retryable() => {
+                    self.await_backend_gone(backend).await
                 }
-            }
+                _ => Ok(()),
+            };
+            // The outcome is known, or the old session is gone, or (`gone` is Err) the store
+            // has already failed closed.
             if let Some(pending) = pending {
                 pending.settled();
             }
+            gone?;
             match result {
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
                     tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh connection");

@@ -133,49 +133,179 @@ async fn dropped_write_future_cannot_overwrite_a_later_call() {
     store.close().await.unwrap();
 }
 
+/// Gates in a trigger: a write of the value `gate1` or `gate2` to the table waits inside its
+/// statement, before it locks the row, until the test opens that gate. Both start closed (held
+/// as session advisory locks by the test's own connection).
+struct Gates {
+    holder: tokio_postgres::Client,
+    table: String,
+}
+
+impl Gates {
+    async fn closed(table: &str) -> Gates {
+        let holder = admin().await;
+        holder
+            .batch_execute(&format!(
+                "CREATE FUNCTION \"{table}_gate\"() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     IF NEW.value IN ('gate1'::bytea, 'gate2'::bytea) THEN
+                         PERFORM pg_advisory_xact_lock_shared(hashtext('{table}'),
+                                                              get_byte(NEW.value, 4));
+                     END IF;
+                     RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER gate BEFORE INSERT ON \"{table}\"
+                     FOR EACH ROW EXECUTE FUNCTION \"{table}_gate\"();
+                 SELECT pg_advisory_lock(hashtext('{table}'), ascii('1')),
+                        pg_advisory_lock(hashtext('{table}'), ascii('2'));"
+            ))
+            .await
+            .unwrap();
+        Gates { holder, table: table.to_owned() }
+    }
+
+    async fn open(&self, gate: char) {
+        let sql = "SELECT pg_advisory_unlock(hashtext($1), ascii($2))";
+        let opened: bool =
+            self.holder.query_one(sql, &[&self.table, &gate.to_string()]).await.unwrap().get(0);
+        assert!(opened, "gate {gate} was closed");
+    }
+
+    /// Waits until `n` statements whose text matches `pattern` (SQL LIKE) wait at a gate.
+    async fn wait_for(&self, n: i64, pattern: &str) {
+        let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory' AND query LIKE $1 \
+                   HAVING count(*) >= $2";
+        let pattern = format!("%\"{}\"%{pattern}%", self.table);
+        common::wait_for_row("statements waiting at a gate", sql, &[&pattern, &n]).await
+    }
+}
+
+/// `store.write(key, value)`, called and awaited on a thread of its own through a handle of a
+/// runtime of its own (where the write's task is spawned), so that the test can shut that
+/// runtime down while the caller still waits. Returns the runtime and the caller's thread.
+fn write_on_doomed_runtime(
+    store: &PgKvStore,
+    key: &str,
+    value: &[u8],
+) -> (tokio::runtime::Runtime, std::thread::JoinHandle<Result<(), Error>>) {
+    let doomed =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let handle = doomed.handle().clone();
+    let write = store.write("r", "s", key, value.to_vec());
+    (doomed, std::thread::spawn(move || handle.block_on(write)))
+}
+
+async fn outcome_of(caller: std::thread::JoinHandle<Result<(), Error>>) -> Result<(), Error> {
+    within("caller", tokio::task::spawn_blocking(move || caller.join().unwrap())).await.unwrap()
+}
+
+fn is_outcome_unknown(result: &Result<(), Error>) -> bool {
+    matches!(result, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. }))
+}
+
+async fn wait_for_value(table: &str, key: &str, value: &[u8]) {
+    let sql = format!("SELECT 1 FROM \"{table}\" WHERE key = $1 AND value = $2");
+    common::wait_for_row("the value committed", &sql, &[&key, &value]).await
+}
+
+/// Time for spawned calls to reach the coalescer's queue (it has nothing to wait on).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
 /// A write's statement is running on the server when the runtime running its task shuts down
 /// (the store itself lives on: it was opened on another runtime, and renewal has its own
 /// thread). Nobody can learn that statement's outcome, and it still commits later, so the key's
 /// order cannot be vouched for: the store must fail closed rather than let a later call of the
-/// key succeed and then be overwritten.
+/// key succeed and then be overwritten. (Before the store did, the later call returned `Ok` and
+/// was overwritten.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
     let t = table("rtdown");
     let store = builder(&t).pool_size(4).open().await.unwrap();
     store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    warm_pool(&store, &t, 4).await;
-    slow_trigger(&t, 2).await;
+    let gates = Gates::closed(&t).await;
 
-    // The write is called and awaited on a thread of its own, on a runtime of its own (its
-    // statement task is spawned there), through a handle: the runtime can be shut down while
-    // the caller still waits.
-    let doomed =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let handle = doomed.handle().clone();
-    let write = store.write("r", "s", "k", b"slow".to_vec());
-    let caller = std::thread::spawn(move || handle.block_on(write));
-    wait_for_sleeper(&t).await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
+    gates.wait_for(1, "").await;
     doomed.shutdown_background();
-    let outcome = within("caller", tokio::task::spawn_blocking(move || caller.join().unwrap()))
-        .await
-        .unwrap();
-    assert!(
-        matches!(outcome, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
-        "the caller learns that its write's outcome is unknown: {outcome:?}"
-    );
+    let outcome = outcome_of(caller).await;
+    assert!(is_outcome_unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
+    let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
+    assert!(is_outcome_unknown(&later), "a later call of the key must not succeed: {later:?}");
 
-    let later = store.write("r", "s", "k", b"later".to_vec()).await;
-    assert!(
-        matches!(later, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
-        "a later call of the key must not succeed: {later:?}"
-    );
-    // The orphaned statement wakes and commits; no successful call is overwritten by it.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(value_of(&t, "k").await, b"slow");
+    // The orphaned statement still commits; no call that succeeded is overwritten by it.
+    gates.open('1').await;
+    wait_for_value(&t, "k", b"gate1").await;
     assert!(matches!(
         *store.lease_state().borrow(),
         LeaseState::Lost { reason: LossReason::WriteOutcomeUnknown, .. }
     ));
+    store.close().await.unwrap();
+}
+
+/// The same with write coalescing: the dropped write sits in a statement that another caller
+/// (on a runtime that lives on) runs for a group of queued writes. The statement carries on
+/// after the dropped caller's key turn is gone, so the store must fail closed. (Without that,
+/// the later call below ran in the statement slot the dropped caller left and returned `Ok`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_store_closed() {
+    let t = table("rtdownq");
+    let store = builder(&t).pool_size(4).write_concurrency(2).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+
+    // Both statements allowed are busy; `c` queues, then `k` queues behind it.
+    let holds =
+        ["hold1", "hold2"].map(|key| tokio::spawn(store.write("r", "s", key, b"gate1".to_vec())));
+    gates.wait_for(2, "").await;
+    let c = tokio::spawn(store.write("r", "s", "c", b"c".to_vec()));
+    settle().await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate2");
+    settle().await;
+    // `c`'s caller takes the group (c, k) and runs it; k's row waits at gate 2.
+    gates.open('1').await;
+    gates.wait_for(1, "unnest").await;
+    doomed.shutdown_background();
+
+    let outcome = outcome_of(caller).await;
+    assert!(is_outcome_unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
+    let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
+    assert!(is_outcome_unknown(&later), "a later call of the key must not succeed: {later:?}");
+    gates.open('2').await;
+    wait_for_value(&t, "k", b"gate2").await;
+    for hold in holds {
+        within("hold", hold).await.unwrap().unwrap();
+    }
+    within("c", c).await.unwrap().expect("c's own statement committed");
+    store.close().await.unwrap();
+}
+
+/// A queued write whose runtime shuts down before any statement took it is withdrawn: it never
+/// runs (its key's turn is gone, so it could land after a later call), and the store goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_write_whose_runtime_shuts_down_before_its_statement_is_withdrawn() {
+    let t = table("rtdownw");
+    let store = builder(&t).pool_size(4).write_concurrency(1).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+
+    let hold = tokio::spawn(store.write("r", "s", "hold", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"dropped");
+    settle().await;
+    doomed.shutdown_background();
+    let outcome = outcome_of(caller).await;
+    assert!(matches!(outcome, Err(Error::Closed)), "nothing ran: {outcome:?}");
+
+    // The next queued write's statement would carry the dropped one, had it stayed queued.
+    let x = tokio::spawn(store.write("r", "s", "x", b"x".to_vec()));
+    settle().await;
+    gates.open('1').await;
+    within("hold", hold).await.unwrap().unwrap();
+    within("x", x).await.unwrap().unwrap();
+    assert_eq!(value_of(&t, "k").await, b"first", "the withdrawn write never ran");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
 }
 
