@@ -5,6 +5,8 @@
 //! - `naive_fenced`: a transaction that renews the lease with its own statement, then upserts:
 //!   the design the fenced statement replaced.
 //! - `read`, `remove`, `batch_100` (a 100-put atomic batch): the store's other operations.
+//! - `unfenced_batch_100`: the same 100 puts in one statement without the lease check: the
+//!   baseline of `batch_100`.
 //!
 //! Every write (and every put of a batch) writes a value different in every byte from the
 //! key's previous one, like a real state update: PostgreSQL logs only the changed middle of a
@@ -86,7 +88,7 @@ impl Fixture {
         let baseline = Baseline::new(&store, &table, support::pool(config, POOL_SIZE), TTL);
         let value = support::value(VALUE_SIZE, 1);
         // Create every key the write benchmarks will update (one batch per prefix).
-        for prefix in ["f", "u", "n", "b"] {
+        for prefix in ["f", "u", "n", "b", "v"] {
             let mut batch = store.batch();
             for i in 0..KEYS {
                 batch = batch.put(NS, SUB, &format!("{prefix}{i}"), value.clone());
@@ -196,6 +198,26 @@ fn write_latency(c: &mut Criterion) {
                 }
                 let start = Instant::now();
                 batch.commit().await.expect("batch of 100");
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+
+    group.bench_function("unfenced_batch_100", |b| {
+        b.to_async(&f.rt).iter_custom(|iters| async move {
+            let mut total = Duration::ZERO;
+            for i in 0..iters {
+                // Untimed, as for `batch_100`: the keys in the order the store sends them.
+                let mut puts: Vec<(String, Vec<u8>)> = (0..100)
+                    .map(|j| {
+                        let key = format!("v{}", (i as usize * 100 + j) % KEYS);
+                        (key, support::value(VALUE_SIZE, i * 100 + j as u64))
+                    })
+                    .collect();
+                puts.sort();
+                let start = Instant::now();
+                f.baseline.unfenced_batch(&puts).await.expect("unfenced batch of 100");
                 total += start.elapsed();
             }
             total

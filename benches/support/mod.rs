@@ -20,6 +20,16 @@ VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (primary_namespace, secondary_namespace, key)
 DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch"#;
 
+/// The unfenced baseline of a batch of puts: the store's batch statement for puts
+/// (pgfence's `sql::BATCH_PUT`) without the lease CTE.
+pub const UNFENCED_BATCH_PUT: &str = r#"
+INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, $5
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[])
+           AS p (primary_namespace, secondary_namespace, key, value)
+ON CONFLICT (primary_namespace, secondary_namespace, key)
+DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch"#;
+
 /// The store's fenced single-key write, exactly as `PgKvStore::write` runs it when its statement
 /// is not shared (pgfence's `sql::WRITE`): the `solo` variant of the bench command.
 pub const FENCED_WRITE: &str = r#"
@@ -92,6 +102,7 @@ pub struct Baseline {
     epoch: i64,
     ttl_ms: i64,
     unfenced: String,
+    unfenced_batch: String,
     naive_renew: String,
     naive_upsert: String,
     renew: String,
@@ -107,6 +118,7 @@ impl Baseline {
             epoch: store.fencing_token(),
             ttl_ms: ttl.as_millis() as i64,
             unfenced: sql(UNFENCED_UPSERT, table),
+            unfenced_batch: sql(UNFENCED_BATCH_PUT, table),
             naive_renew: sql(NAIVE_RENEW, table),
             naive_upsert: sql(NAIVE_UPSERT, table),
             renew: sql(RENEW, table),
@@ -119,6 +131,18 @@ impl Baseline {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(&self.unfenced).await?;
         client.execute(&statement, &[&NS, &SUB, &key, &value, &self.epoch]).await?;
+        Ok(())
+    }
+
+    /// One unfenced batch of puts (keys sorted, each at most once), like the store's batch
+    /// statement without the lease check: one pooled connection, one round trip.
+    pub async fn unfenced_batch(&self, puts: &[(String, Vec<u8>)]) -> Result<(), BoxError> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&self.unfenced_batch).await?;
+        let (ns, sub) = (vec![NS; puts.len()], vec![SUB; puts.len()]);
+        let keys: Vec<&str> = puts.iter().map(|(key, _)| key.as_str()).collect();
+        let values: Vec<&[u8]> = puts.iter().map(|(_, value)| value.as_slice()).collect();
+        client.execute(&statement, &[&ns, &sub, &keys, &values, &self.epoch]).await?;
         Ok(())
     }
 
