@@ -180,6 +180,16 @@ impl Gates {
     }
 }
 
+/// A store on a fresh table (`write_concurrency` statements at once) with `k` = `first`, and
+/// closed [`Gates`] on the table.
+async fn gated_store(prefix: &str, write_concurrency: usize) -> (String, PgKvStore, Gates) {
+    let t = table(prefix);
+    let store = builder(&t).pool_size(4).write_concurrency(write_concurrency).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+    (t, store, gates)
+}
+
 /// `store.write(key, value)`, called and awaited on a thread of its own through a handle of a
 /// runtime of its own (where the write's task is spawned), so that the test can shut that
 /// runtime down while the caller still waits. Returns the runtime and the caller's thread.
@@ -199,8 +209,19 @@ async fn outcome_of(caller: std::thread::JoinHandle<Result<(), Error>>) -> Resul
     within("caller", tokio::task::spawn_blocking(move || caller.join().unwrap())).await.unwrap()
 }
 
-fn is_outcome_unknown(result: &Result<(), Error>) -> bool {
-    matches!(result, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. }))
+/// The dropped write's caller learns that its outcome is unknown, and a later call of its key
+/// fails the same way instead of succeeding (and being overwritten when the orphan commits).
+async fn assert_failed_closed(
+    store: &PgKvStore,
+    caller: std::thread::JoinHandle<Result<(), Error>>,
+) {
+    let unknown = |result: &Result<(), Error>| {
+        matches!(result, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. }))
+    };
+    let outcome = outcome_of(caller).await;
+    assert!(unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
+    let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
+    assert!(unknown(&later), "a later call of the key must not succeed: {later:?}");
 }
 
 async fn wait_for_value(table: &str, key: &str, value: &[u8]) {
@@ -221,18 +242,12 @@ async fn settle() {
 /// was overwritten.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
-    let t = table("rtdown");
-    let store = builder(&t).pool_size(4).open().await.unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, store, gates) = gated_store("rtdown", 4).await;
 
     let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
     gates.wait_for(1, "").await;
     doomed.shutdown_background();
-    let outcome = outcome_of(caller).await;
-    assert!(is_outcome_unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
-    let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
-    assert!(is_outcome_unknown(&later), "a later call of the key must not succeed: {later:?}");
+    assert_failed_closed(&store, caller).await;
 
     // The orphaned statement still commits; no call that succeeded is overwritten by it.
     gates.open('1').await;
@@ -250,10 +265,7 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
 /// the later call below ran in the statement slot the dropped caller left and returned `Ok`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_store_closed() {
-    let t = table("rtdownq");
-    let store = builder(&t).pool_size(4).write_concurrency(2).open().await.unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, store, gates) = gated_store("rtdownq", 2).await;
 
     // Both statements allowed are busy; `c` queues, then `k` queues behind it.
     let holds =
@@ -268,10 +280,7 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
     gates.wait_for(1, "unnest").await;
     doomed.shutdown_background();
 
-    let outcome = outcome_of(caller).await;
-    assert!(is_outcome_unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
-    let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
-    assert!(is_outcome_unknown(&later), "a later call of the key must not succeed: {later:?}");
+    assert_failed_closed(&store, caller).await;
     gates.open('2').await;
     wait_for_value(&t, "k", b"gate2").await;
     for hold in holds {
@@ -285,10 +294,7 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
 /// runs (its key's turn is gone, so it could land after a later call), and the store goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_write_whose_runtime_shuts_down_before_its_statement_is_withdrawn() {
-    let t = table("rtdownw");
-    let store = builder(&t).pool_size(4).write_concurrency(1).open().await.unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, store, gates) = gated_store("rtdownw", 1).await;
 
     let hold = tokio::spawn(store.write("r", "s", "hold", b"gate1".to_vec()));
     gates.wait_for(1, "").await;
