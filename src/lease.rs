@@ -106,13 +106,29 @@ impl Lease {
         self.lost.get().is_some()
     }
 
-    /// Marks the lease lost: the first reason wins, and is logged and published once.
+    /// Marks the lease lost: the first reason wins, and is logged and published once. Only a
+    /// held lease is published as lost: a release that got in first (callers check `given_up`
+    /// before calling this, but a release can land in between) keeps `Released`.
     fn lose(&self, reason: LossReason) {
         if self.lost.set(reason).is_ok() {
             let reason = self.reason();
-            tracing::error!(table = %self.table, epoch = self.epoch, %reason, "pgfence lease lost");
-            self.state.send_replace(LeaseState::Lost { epoch: self.epoch, reason });
+            let lost = LeaseState::Lost { epoch: self.epoch, reason: reason.clone() };
+            if self.publish_if_held(lost) {
+                tracing::error!(table = %self.table, epoch = self.epoch, %reason, "pgfence lease lost");
+            }
         }
+    }
+
+    /// Replaces the published state if it is still `Held`, atomically (under the channel's
+    /// lock), so that `Lost` and `Released` never overwrite each other. Whether it did.
+    fn publish_if_held(&self, next: LeaseState) -> bool {
+        self.state.send_if_modified(|state| {
+            let held = matches!(state, LeaseState::Held { .. });
+            if held {
+                *state = next;
+            }
+            held
+        })
     }
 
     /// Marks the lease lost where there is no caller to tell (a destructor). `Abort` aborts
@@ -172,10 +188,39 @@ impl Lease {
 
     fn released(&self) {
         self.given_up.store(true, Ordering::SeqCst);
-        if !self.is_lost() {
+        if self.publish_if_held(LeaseState::Released { epoch: self.epoch }) {
             tracing::info!(table = %self.table, epoch = self.epoch, "pgfence lease released");
-            self.state.send_replace(LeaseState::Released { epoch: self.epoch });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease() -> Lease {
+        let ttl = Duration::from_secs(30);
+        Lease::new(Uuid::nil(), 7, "t".into(), clock(), ttl, LeaseLossPolicy::FailClosed)
+    }
+
+    fn published(lease: &Lease) -> LeaseState {
+        lease.subscribe().borrow().clone()
+    }
+
+    /// A loss that lands after a release (a release can get in between a caller's check of
+    /// `given_up` and its `lose`) leaves the state `Released`, and the other way round.
+    #[test]
+    fn released_and_lost_never_overwrite_each_other() {
+        let released_first = lease();
+        released_first.released();
+        released_first.lose(LossReason::Fenced);
+        assert_eq!(published(&released_first), LeaseState::Released { epoch: 7 });
+
+        let lost_first = lease();
+        lost_first.lose(LossReason::TakenOver);
+        lost_first.released();
+        let lost = LeaseState::Lost { epoch: 7, reason: LossReason::TakenOver };
+        assert_eq!(published(&lost_first), lost);
     }
 }
 
