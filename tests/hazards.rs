@@ -315,11 +315,20 @@ async fn queued_write_whose_runtime_shuts_down_before_its_statement_is_withdrawn
     store.close().await.unwrap();
 }
 
-/// A write that waited for the lease row lock re-checks the expiry once it has the lock: if
-/// the lease expired meanwhile, nothing is written, even though the row itself never changed
-/// (PostgreSQL re-evaluates a locking query's WHERE only when the row was updated).
+/// A mutation that waited for the lease row lock re-checks the expiry once it has the lock:
+/// if the lease expired meanwhile, nothing changes, even though the row itself never changed
+/// (PostgreSQL re-evaluates a locking query's WHERE only when the row was updated). Each kind
+/// of mutation has its own statement, so each is checked, at the same time on tables of their
+/// own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn write_that_waited_past_the_expiry_writes_nothing() {
+async fn mutation_that_waited_past_the_expiry_changes_nothing() {
+    let checks = common::Fenced::ALL.map(|fenced| tokio::spawn(waited_past_the_expiry(fenced)));
+    for check in checks {
+        check.await.unwrap();
+    }
+}
+
+async fn waited_past_the_expiry(fenced: common::Fenced) {
     let t = table("stalecheck");
     let store = builder(&t)
         .lease_ttl(Duration::from_secs(4))
@@ -328,10 +337,13 @@ async fn write_that_waited_past_the_expiry_writes_nothing() {
         .open()
         .await
         .unwrap();
-    // FOR UPDATE blocks the writers' FOR KEY SHARE and the renewal alike.
+    store.write("s", "s", "gone", b"kept".to_vec()).await.unwrap();
+    let before = common::all_rows(&t).await;
+    // FOR UPDATE blocks the mutations' FOR KEY SHARE and the renewal alike.
     let mut blocker = admin().await;
     let tx = common::lock_lease_row(&mut blocker, &t, "FOR UPDATE").await;
-    let write = tokio::spawn(store.write("s", "s", "k", b"late".to_vec()));
+    let mutation = tokio::spawn(fenced.run(&store));
+    common::wait_for_query_lock_wait(&format!("%{}%FOR KEY SHARE%", lease_table(&t))).await;
     let db = admin().await;
     within("database expiry", async {
         while lease_row(&db, &t).await.2 > -200 {
@@ -339,13 +351,11 @@ async fn write_that_waited_past_the_expiry_writes_nothing() {
         }
     })
     .await;
-    assert!(!write.is_finished(), "the write was waiting for the lock");
+    assert!(!mutation.is_finished(), "{fenced:?} was waiting for the lock");
     tx.rollback().await.unwrap(); // The lease row is unchanged: only the clock moved.
-    let e = within("write", write).await.unwrap().unwrap_err();
-    assert!(e.is_lease_lost(), "{e:?}");
-    let rows: i64 =
-        db.query_one(&format!("SELECT count(*) FROM \"{t}\""), &[]).await.unwrap().get(0);
-    assert_eq!(rows, 0, "nothing was written after the expiry");
+    let e = within("mutation", mutation).await.unwrap().unwrap_err();
+    assert!(e.is_lease_lost(), "{fenced:?}: {e:?}");
+    assert_eq!(common::all_rows(&t).await, before, "{fenced:?} changed nothing after the expiry");
 }
 
 /// A standby whose acquisition failed and which then stalls inside its transaction (paused,

@@ -290,6 +290,27 @@ async fn stale_owner_is_fenced_and_fails_closed() {
     assert_eq!(epoch, 2);
 }
 
+/// The database itself refuses every kind of mutation of a stale owner, each the first
+/// operation after the takeover (so the store has not failed closed on its own yet): a remove
+/// must not delete, a batch must change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_owner_is_fenced_by_the_database_in_every_mutation() {
+    for fenced in common::Fenced::ALL {
+        let t = table("stale_each");
+        let store = builder(&t).open().await.unwrap();
+        store.write("s", "s", "gone", b"kept".to_vec()).await.unwrap();
+        let before = common::all_rows(&t).await;
+        steal_lease(&admin().await, &t).await;
+        let e = fenced.run(&store).await.unwrap_err();
+        assert!(
+            matches!(e, Error::LeaseLost { epoch: 1, reason: LossReason::Fenced }),
+            "{fenced:?}: {e:?}"
+        );
+        assert_eq!(common::all_rows(&t).await, before, "{fenced:?} changed nothing");
+        store.close().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_finding_the_lease_taken_fails_closed() {
     let t = table("taken");

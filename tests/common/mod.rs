@@ -129,3 +129,57 @@ pub async fn wait_until_lost(store: &PgKvStore) {
         .await
         .unwrap();
 }
+
+/// The fenced mutations, one per fenced statement text (`sql::WRITE`, `REMOVE`, `BATCH_PUT`,
+/// which coalesced writes share too, and `BATCH`): a fencing property holds for the store only
+/// if it holds for each of them.
+#[derive(Debug, Clone, Copy)]
+pub enum Fenced {
+    Write,
+    Remove,
+    PutBatch,
+    MixedBatch,
+}
+
+impl Fenced {
+    pub const ALL: [Fenced; 4] =
+        [Fenced::Write, Fenced::Remove, Fenced::PutBatch, Fenced::MixedBatch];
+
+    /// Writes `k` (and `k2`) and removes `gone`, in namespace `("s", "s")`, as this kind of
+    /// mutation does.
+    pub fn run(
+        self,
+        store: &PgKvStore,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = pgfence::Result<()>> + Send>> {
+        match self {
+            Fenced::Write => Box::pin(store.write("s", "s", "k", b"late".to_vec())),
+            Fenced::Remove => Box::pin(store.remove("s", "s", "gone", false)),
+            Fenced::PutBatch => Box::pin(
+                store
+                    .batch()
+                    .put("s", "s", "k", b"late".to_vec())
+                    .put("s", "s", "k2", vec![])
+                    .commit(),
+            ),
+            Fenced::MixedBatch => Box::pin(
+                store
+                    .batch()
+                    .put("s", "s", "k", b"late".to_vec())
+                    .remove("s", "s", "gone")
+                    .commit(),
+            ),
+        }
+    }
+}
+
+/// Every `(key, value)` of `table`, sorted by key, read by an administrator connection.
+pub async fn all_rows(table: &str) -> Vec<(String, Vec<u8>)> {
+    admin()
+        .await
+        .query(&format!("SELECT key, value FROM \"{table}\" ORDER BY key"), &[])
+        .await
+        .expect("read rows")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
