@@ -39,10 +39,11 @@ use crate::sql::{self, Statements};
 ///   methods were *called*, whatever order their futures are polled or complete in: a later
 ///   call's value is never overwritten by an earlier one.
 /// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
-///   deadline (which comes before the database expiry), every operation returns
-///   [`Error::LeaseLost`], reads included, permanently, and [`PgKvStore::lease_state`] reports
-///   [`LeaseState::Lost`]. The [`crate::LeaseLossPolicy`] decides whether it also panics or
-///   aborts.
+///   deadline (which comes before the database expiry), every key operation (reads, lists,
+///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
+///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. Only
+///   [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
+///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts.
 /// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
 ///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
 ///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
@@ -340,7 +341,9 @@ impl PgKvStore {
         self.inner.lease.subscribe()
     }
 
-    /// The lease row as the database sees it now (holder, epoch, time left).
+    /// The lease row as the database sees it now (holder, epoch, time left). It reads the
+    /// database whatever this store's state: after a loss it shows the new holder. After
+    /// `close()` it needs a pool that is still open (the store closes a pool it built itself).
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
         let client = self.inner.pool.get().await.map_err(Error::pool("read lease"))?;
         schema::lease_info(&**client, &self.inner.statements).await

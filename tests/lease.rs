@@ -284,7 +284,11 @@ async fn stale_owner_is_fenced_and_fails_closed() {
         *store.lease_state().borrow(),
         LeaseState::Lost { epoch: 1, reason: LossReason::Fenced }
     );
+    // The lease row can still be read, to see who took over.
+    let info = store.lease_info().await.unwrap().expect("a lease row");
+    assert_eq!((info.epoch, info.active), (2, true));
     let (owner, epoch, _) = lease_row(&db, &t).await;
+    assert_eq!(info.owner_id, owner);
     store.close().await.unwrap();
     assert_eq!(lease_row(&db, &t).await.0, owner, "closing a stale store leaves the lease alone");
     assert_eq!(epoch, 2);

@@ -33,7 +33,19 @@ async fn close_releases_and_later_calls_get_closed() {
     let t = table("close");
     let a = long_lease(&t).open().await.unwrap();
     let mut state = a.lease_state();
+    // Created before close, polled after it: refused too, and nothing is written.
+    let (unpolled_write, unpolled_remove) =
+        (a.write("c", "s", "early", vec![]), a.remove("c", "s", "early", false));
     a.close().await.expect("close returns the release result");
+    assert!(matches!(unpolled_write.await, Err(Error::Closed)));
+    assert!(matches!(unpolled_remove.await, Err(Error::Closed)));
+    let rows: i64 = admin()
+        .await
+        .query_one(&format!("SELECT count(*) FROM \"{t}\""), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
     assert_eq!(*state.borrow_and_update(), LeaseState::Released { epoch: 1 });
     let (_, epoch, expires_in_ms) = lease_row(&admin().await, &t).await;
     assert_eq!(epoch, 1, "the epoch counter is kept");
