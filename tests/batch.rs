@@ -147,6 +147,43 @@ async fn stolen_lease_writes_nothing_and_fails_closed() {
     assert_eq!(rows(&table).await, expected);
 }
 
+/// A database error in one operation (a trigger refuses one key) fails the whole batch:
+/// none of its other puts and removes is applied, and the store goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_error_in_one_operation_applies_none() {
+    let table = common::table("batch_dberr");
+    let store = common::open(&table).await;
+    store.write(NS, SUB, "old", b"old".to_vec()).await.unwrap();
+    store.write(NS, SUB, "a", b"a0".to_vec()).await.unwrap();
+    common::admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION \"{table}_refuse\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.key = 'bad' THEN RAISE EXCEPTION 'bad refused'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_refuse\"();"
+        ))
+        .await
+        .unwrap();
+    let before = rows(&table).await;
+
+    let batch = store
+        .batch()
+        .put(NS, SUB, "a", b"a1".to_vec())
+        .put(NS, SUB, "new", b"n".to_vec())
+        .put(NS, SUB, "bad", b"x".to_vec())
+        .remove(NS, SUB, "old");
+    let err = batch.commit().await.unwrap_err();
+    assert!(matches!(err, Error::Database { .. }), "{err:?}");
+    assert_eq!(rows(&table).await, before, "nothing of the batch was applied");
+
+    store.write(NS, SUB, "a", b"a2".to_vec()).await.expect("the store goes on");
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_store_refuses_batches() {
     let store = common::open(&common::table("batch_closed")).await;
