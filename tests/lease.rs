@@ -439,21 +439,43 @@ async fn blocked_caller_runtime_does_not_stop_renewal() {
     store.close().await.unwrap();
 }
 
-/// `LeaseLossPolicy::Abort` ends the process. Runs the ignored test below in a child process
-/// and checks how it died.
+/// `LeaseLossPolicy::Abort` ends the process, whether an operation finds the loss or renewal
+/// does (an idle standby-ready node makes no calls). Runs the ignored tests below in a child
+/// process each and checks how it died.
 #[test]
 fn abort_policy_aborts_the_process() {
-    use std::os::unix::process::ExitStatusExt;
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "abort_policy_child", "--include-ignored", "--nocapture"])
-        .env("PGFENCE_ABORT_CHILD", "1")
-        .stdin(std::process::Stdio::null())
-        .output()
+    for child in ["abort_policy_child", "abort_policy_renewal_child"] {
+        use std::os::unix::process::ExitStatusExt;
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", child, "--include-ignored", "--nocapture"])
+            .env("PGFENCE_ABORT_CHILD", "1")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let died = output.status.signal();
+        assert_eq!(died, Some(6), "{child} died of SIGABRT: {:?}\n{stderr}", output.status);
+        assert!(stderr.contains("aborting the process"), "{child} says why: {stderr}");
+        assert!(!String::from_utf8_lossy(&output.stdout).contains("child survived"), "{child}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run in a child process by abort_policy_aborts_the_process"]
+async fn abort_policy_renewal_child() {
+    assert!(std::env::var_os("PGFENCE_ABORT_CHILD").is_some(), "only as a child process");
+    let t = table("abortrenew");
+    let store = builder(&t)
+        .renew_interval(Duration::from_millis(300))
+        .on_lease_lost(LeaseLossPolicy::Abort)
+        .open()
+        .await
         .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.signal(), Some(6), "died of SIGABRT: {:?}\n{stderr}", output.status);
-    assert!(stderr.contains("aborting the process"), "says why: {stderr}");
-    assert!(!String::from_utf8_lossy(&output.stdout).contains("child survived"));
+    steal_lease(&admin().await, &t).await;
+    // No operation: renewal finds the lease taken and must abort on its own.
+    tokio::time::sleep(HANG_GUARD).await;
+    drop(store);
+    println!("child survived");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
