@@ -439,6 +439,32 @@ async fn blocked_caller_runtime_does_not_stop_renewal() {
     store.close().await.unwrap();
 }
 
+/// Renewal has a connection of its own: a pool whose every connection is stuck (here its only
+/// one, in a write waiting for a row lock) past the local deadline does not cost the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_pool_does_not_stop_renewal() {
+    let t = table("poolstuck");
+    let store = builder(&t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(6))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    store.write("p", "s", "k", b"first".to_vec()).await.unwrap();
+    let mut blocker = admin().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
+    let stuck = tokio::spawn(store.write("p", "s", "k", b"second".to_vec()));
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    tokio::time::sleep(Duration::from_secs(4)).await; // Past the local deadline.
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    tx.rollback().await.unwrap();
+    within("stuck write", stuck).await.unwrap().expect("the write goes on under the lease");
+    store.close().await.unwrap();
+}
+
 /// `LeaseLossPolicy::Abort` ends the process, whether an operation finds the loss or renewal
 /// does (an idle standby-ready node makes no calls). Runs the ignored tests below in a child
 /// process each and checks how it died.
