@@ -120,25 +120,43 @@ async fn writes_queued_behind_a_busy_statement_commit_in_one_transaction() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_queue_is_split_into_groups_and_every_write_commits() {
-    let table = common::table("coal_long");
+    let per_transaction = queue_and_count("coal_long", 2500, 4).await;
+    let largest = per_transaction.iter().max().copied().unwrap_or(0);
+    assert!(largest <= 1000, "no statement carries more than 1,000 writes: {largest}");
+    assert!(largest > 1, "queued writes shared statements: {per_transaction:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_of_large_values_is_split_at_16_mib() {
+    let per_transaction = queue_and_count("coal_big", 24, 1 << 20).await;
+    let largest = per_transaction.iter().max().copied().unwrap_or(0);
+    assert!(largest <= 16, "no statement carries more than 16 MiB of values: {largest} MiB");
+    assert!(largest > 1, "queued writes shared statements: {per_transaction:?}");
+}
+
+/// Queues `count` writes of `value_size` bytes each behind a stalled statement, releases them,
+/// checks that every one committed, and returns how many rows each transaction wrote.
+async fn queue_and_count(prefix: &str, count: u32, value_size: usize) -> Vec<usize> {
+    let table = common::table(prefix);
     let store = open_serial(&table).await;
     let stall = stall(&store, &table).await;
-    let queued: Vec<_> = (0..2500u32)
-        .map(|i| tokio::spawn(store.write(NS, SUB, &format!("k{i}"), i.to_be_bytes().to_vec())))
+    let queued: Vec<_> = (0..count)
+        .map(|i| {
+            let value = i.to_be_bytes().repeat(value_size / 4);
+            tokio::spawn(store.write(NS, SUB, &format!("k{i}"), value))
+        })
         .collect();
     for result in stall.release(queued).await {
         result.unwrap();
     }
     let rows = writers_of(&table).await;
-    assert_eq!(rows.len(), 2501, "every queued write committed");
+    assert_eq!(rows.len(), count as usize + 1, "every queued write committed");
     let mut per_transaction: BTreeMap<&String, usize> = BTreeMap::new();
     for xmin in rows.values() {
         *per_transaction.entry(xmin).or_default() += 1;
     }
-    let largest = per_transaction.values().max().copied().unwrap_or(0);
-    assert!(largest <= 1000, "no statement carries more than 1,000 writes: {largest}");
-    assert!(largest > 1, "queued writes shared statements: {per_transaction:?}");
     store.close().await.unwrap();
+    per_transaction.into_values().collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
