@@ -308,6 +308,11 @@ mod tests {
             ),
             (Error::config("table", "bad"), ErrorKind::InvalidInput),
             (Error::ValueTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
+            (Error::Closed, ErrorKind::NotConnected),
+            (
+                Error::Timeout { operation: "close", after: Duration::from_secs(1) },
+                ErrorKind::TimedOut,
+            ),
         ];
         for (e, kind) in cases {
             let msg = e.to_string();
