@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{admin, builder, lease_row, lease_table, table, within};
 use pgfence::testing::{Proxy, TestServer};
-use pgfence::{Error, LeaseState, LossReason, PgKvStore};
+use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -256,6 +256,28 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
         *store.lease_state().borrow(),
         LeaseState::Lost { reason: LossReason::WriteOutcomeUnknown, .. }
     ));
+    store.close().await.unwrap();
+}
+
+/// Under `LeaseLossPolicy::Panic`, the loss found when a write's task is dropped mid-statement
+/// is found in a destructor, where a panic is unsafe: the waiting caller and the next operation
+/// raise it instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panic_policy_after_a_write_dropped_mid_statement_panics_in_the_next_operation() {
+    let t = table("rtdownp");
+    let store = builder(&t).on_lease_lost(LeaseLossPolicy::Panic).open().await.unwrap();
+    let gates = Gates::closed(&t).await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
+    gates.wait_for(1, "").await;
+    doomed.shutdown_background();
+    let joined = within("caller", tokio::task::spawn_blocking(move || caller.join())).await;
+    assert!(joined.unwrap().is_err(), "the waiting caller panicked");
+    let next = tokio::spawn({
+        let store = store.clone();
+        async move { store.read("r", "s", "k").await }
+    });
+    assert!(within("next operation", next).await.unwrap_err().is_panic(), "the next one too");
+    gates.open('1').await;
     store.close().await.unwrap();
 }
 
