@@ -155,19 +155,7 @@ async fn database_error_in_one_operation_applies_none() {
     let store = common::open(&table).await;
     store.write(NS, SUB, "old", b"old".to_vec()).await.unwrap();
     store.write(NS, SUB, "a", b"a0".to_vec()).await.unwrap();
-    common::admin()
-        .await
-        .batch_execute(&format!(
-            "CREATE FUNCTION \"{table}_refuse\"() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-                 IF NEW.key = 'bad' THEN RAISE EXCEPTION 'bad refused'; END IF;
-                 RETURN NEW;
-             END $$;
-             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON \"{table}\"
-                 FOR EACH ROW EXECUTE FUNCTION \"{table}_refuse\"();"
-        ))
-        .await
-        .unwrap();
+    common::refuse_key(&table, "bad").await;
     let before = rows(&table).await;
 
     let batch = store

@@ -163,20 +163,7 @@ async fn queue_and_count(prefix: &str, count: u32, value_size: usize) -> Vec<usi
 async fn a_failing_write_fails_alone_and_its_group_commits() {
     let table = common::table("coal_err");
     let store = open_serial(&table).await;
-    let admin = common::admin().await;
-    // A trigger that refuses one key: a database error that belongs to one write only.
-    admin
-        .batch_execute(&format!(
-            "CREATE FUNCTION \"{table}_refuse\"() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-                 IF NEW.key = 'poison' THEN RAISE EXCEPTION 'poison refused'; END IF;
-                 RETURN NEW;
-             END $$;
-             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON \"{table}\"
-                 FOR EACH ROW EXECUTE FUNCTION \"{table}_refuse\"();"
-        ))
-        .await
-        .unwrap();
+    common::refuse_key(&table, "poison").await;
 
     let stall = stall(&store, &table).await;
     let queued = ["good_a", "poison", "good_b"]

@@ -427,8 +427,7 @@ async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
     let store = builder(&t).drop_timeout(Duration::from_secs(1)).open().await.unwrap();
     store.write("h", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
     let hung = tokio::spawn(store.write("h", "s", "k", b"hung".to_vec()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let e = within("close", store.close()).await.unwrap_err();

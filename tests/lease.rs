@@ -344,8 +344,7 @@ async fn in_flight_write_fences_the_takeover() {
 
     // Hold the KV row so the next write blocks inside its statement, after the lease check.
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
     let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
     common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
 
@@ -420,18 +419,21 @@ async fn panic_policy_panics_in_the_calling_task() {
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
 
+/// A store whose local deadline (3 s, TTL 6 s) a test can outwait, renewing every 500 ms: if
+/// renewal stalled, the lease would be lost within the test.
+fn short_deadline(t: &str) -> pgfence::Builder {
+    builder(t)
+        .lease_ttl(Duration::from_secs(6))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+}
+
 /// Renewal runs on its own thread and connection: a caller's runtime blocked for longer than
 /// the local deadline does not cost the lease.
 #[tokio::test(flavor = "current_thread")]
 async fn blocked_caller_runtime_does_not_stop_renewal() {
     let t = table("blockedrt");
-    let store = builder(&t)
-        .lease_ttl(Duration::from_secs(6))
-        .local_deadline(Duration::from_secs(3))
-        .renew_interval(Duration::from_millis(500))
-        .open()
-        .await
-        .unwrap();
+    let store = short_deadline(&t).open().await.unwrap();
     // Block this (only) runtime thread well past the local deadline.
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
@@ -444,18 +446,10 @@ async fn blocked_caller_runtime_does_not_stop_renewal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exhausted_pool_does_not_stop_renewal() {
     let t = table("poolstuck");
-    let store = builder(&t)
-        .pool_size(1)
-        .lease_ttl(Duration::from_secs(6))
-        .local_deadline(Duration::from_secs(3))
-        .renew_interval(Duration::from_millis(500))
-        .open()
-        .await
-        .unwrap();
+    let store = short_deadline(&t).pool_size(1).open().await.unwrap();
     store.write("p", "s", "k", b"first".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = blocker.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' FOR UPDATE"), &[]).await.unwrap();
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
     let stuck = tokio::spawn(store.write("p", "s", "k", b"second".to_vec()));
     common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
     tokio::time::sleep(Duration::from_secs(4)).await; // Past the local deadline.

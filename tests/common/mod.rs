@@ -93,10 +93,30 @@ pub async fn lock_lease_row<'a>(
     table: &str,
     mode: &str,
 ) -> tokio_postgres::Transaction<'a> {
+    let sql = format!("SELECT 1 FROM {} WHERE id = 1 {mode}", lease_table(table));
+    lock_row(client, &sql, &[]).await
+}
+
+/// Begins a transaction on `client` that holds the row of `key` in `table` `FOR UPDATE`, so
+/// that a write of that key blocks inside its statement, after its lease check. Roll it back
+/// or commit it to let go.
+pub async fn lock_key_row<'a>(
+    client: &'a mut tokio_postgres::Client,
+    table: &str,
+    key: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let sql = format!("SELECT 1 FROM \"{table}\" WHERE key = $1 FOR UPDATE");
+    lock_row(client, &sql, &[&key]).await
+}
+
+/// Runs `sql` (which locks one row) in a transaction that it leaves open.
+async fn lock_row<'a>(
+    client: &'a mut tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> tokio_postgres::Transaction<'a> {
     let tx = client.transaction().await.unwrap();
-    tx.query_one(&format!("SELECT 1 FROM {} WHERE id = 1 {mode}", lease_table(table)), &[])
-        .await
-        .unwrap();
+    tx.query_one(sql, params).await.unwrap();
     tx
 }
 
@@ -182,4 +202,22 @@ pub async fn all_rows(table: &str) -> Vec<(String, Vec<u8>)> {
         .iter()
         .map(|row| (row.get(0), row.get(1)))
         .collect()
+}
+
+/// Makes the database refuse every insert or update of the key `key` in `table` (a trigger
+/// raises "`key` refused"): a database error that belongs to that key's write only.
+pub async fn refuse_key(table: &str, key: &str) {
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION \"{table}_refuse\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.key = '{key}' THEN RAISE EXCEPTION '{key} refused'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_refuse\"();"
+        ))
+        .await
+        .expect("create the refusing trigger")
 }
