@@ -156,6 +156,37 @@ async fn standby_survives_losing_its_listen_connection() {
     store.close().await.unwrap();
 }
 
+/// A standby that cannot reach the server for a while (every connection cut, new ones refused)
+/// keeps waiting through the connection errors, and takes over once the server is back and the
+/// holder releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_keeps_waiting_through_connection_errors() {
+    let t = table("sbdown");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let standby = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .lease_ttl(TTL)
+        .renew_interval(Duration::from_secs(5))
+        .standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+
+    proxy.set_refuse(true);
+    proxy.cut_all();
+    tokio::time::sleep(Duration::from_secs(3)).await; // Several polls, every one failing.
+    assert!(!waiting.is_finished(), "the standby still waits: {:?}", *progress.borrow());
+    proxy.set_refuse(false);
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    assert_eq!(store.fencing_token(), 2);
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspector_reads_without_the_lease_and_force_releases() {
     let t = table("inspect");
