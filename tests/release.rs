@@ -58,6 +58,36 @@ async fn close_releases_and_later_calls_get_closed() {
     b.close().await.unwrap();
 }
 
+/// `close()` lets an operation that is already running finish (within `drop_timeout`, 5 s by
+/// default), and then releases and returns `Ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_waits_for_a_running_write_then_releases() {
+    let t = table("closewait");
+    let store = long_lease(&t).open().await.unwrap();
+    store.write("c", "s", "k", b"old".to_vec()).await.unwrap();
+    let mut blocker = admin().await;
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
+    let write = tokio::spawn(store.write("c", "s", "k", b"running".to_vec()));
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let closing = tokio::spawn({
+        let store = store.clone();
+        async move { store.close().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!closing.is_finished(), "close waits for the running write");
+    tx.rollback().await.unwrap();
+    within("running write", write).await.unwrap().expect("the running write commits");
+    within("close", closing).await.unwrap().expect("then close releases and returns Ok");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Released { epoch: 1 });
+    let value: Vec<u8> = admin()
+        .await
+        .query_one(&format!("SELECT value FROM \"{t}\" WHERE key = 'k'"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(value, b"running");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_taken_over_store_leaves_the_successors_lease_alone() {
     let t = table("dropstale");
