@@ -57,8 +57,9 @@ pub(crate) async fn setup_and_acquire(
         return Err(Error::config(
             "role",
             "the connection's current role cannot see or end its own login role's sessions \
-             (after SET ROLE?); pgfence must be able to end the session of a write whose \
-             outcome is unknown: connect as the owning role, or grant it the login role",
+             (after SET ROLE? or EXECUTE on pg_terminate_backend revoked?); pgfence must be \
+             able to end the session of a write whose outcome is unknown: connect as the \
+             owning role, or grant it the login role and EXECUTE on pg_terminate_backend",
         ));
     }
     tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])

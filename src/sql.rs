@@ -240,11 +240,14 @@ pub(crate) const BACKEND_IDENTITY: &str =
     "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
 
 /// Whether this session's role may see and end the store's own sessions, which ending the
-/// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Both require the
-/// privileges of the session (login) user: false after `SET ROLE` to a role without them.
+/// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Seeing and
+/// signalling require the privileges of the session (login) user: false after `SET ROLE` to a
+/// role without them. Calling `pg_terminate_backend` at all requires EXECUTE on it, which a
+/// hardened database may have revoked from PUBLIC.
 pub(crate) const SESSION_CONTROL: &str = r#"
 SELECT backend_start IS NOT NULL
        AND (pg_has_role(session_user, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
+       AND has_function_privilege('pg_terminate_backend(integer, bigint)', 'EXECUTE')
   FROM pg_stat_activity
  WHERE pid = pg_backend_pid()"#;
 

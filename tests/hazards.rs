@@ -143,7 +143,11 @@ struct Gates {
 
 impl Gates {
     async fn closed(table: &str) -> Gates {
-        let holder = admin().await;
+        Gates::closed_on(admin().await, table).await
+    }
+
+    /// The gates on `table` in the database `holder` (a superuser connection) is connected to.
+    async fn closed_on(holder: tokio_postgres::Client, table: &str) -> Gates {
         holder
             .batch_execute(&format!(
                 "CREATE FUNCTION \"{table}_gate\"() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -209,16 +213,12 @@ async fn outcome_of(caller: std::thread::JoinHandle<Result<(), Error>>) -> Resul
     within("caller", tokio::task::spawn_blocking(move || caller.join().unwrap())).await.unwrap()
 }
 
-/// The dropped write's caller learns that its outcome is unknown, and a later call of its key
-/// fails the same way instead of succeeding (and being overwritten when the orphan commits).
-async fn assert_failed_closed(
-    store: &PgKvStore,
-    caller: std::thread::JoinHandle<Result<(), Error>>,
-) {
+/// The write's caller learned that its outcome is unknown (`outcome`), and a later call of its
+/// key fails the same way instead of succeeding (and being overwritten when the orphan commits).
+async fn assert_failed_closed(store: &PgKvStore, outcome: Result<(), Error>) {
     let unknown = |result: &Result<(), Error>| {
         matches!(result, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. }))
     };
-    let outcome = outcome_of(caller).await;
     assert!(unknown(&outcome), "the caller learns the outcome is unknown: {outcome:?}");
     let later = within("later", store.write("r", "s", "k", b"later".to_vec())).await;
     assert!(unknown(&later), "a later call of the key must not succeed: {later:?}");
@@ -247,7 +247,7 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
     let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
     gates.wait_for(1, "").await;
     doomed.shutdown_background();
-    assert_failed_closed(&store, caller).await;
+    assert_failed_closed(&store, outcome_of(caller).await).await;
 
     // The orphaned statement still commits; no call that succeeded is overwritten by it.
     gates.open('1').await;
@@ -256,6 +256,46 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
         *store.lease_state().borrow(),
         LeaseState::Lost { reason: LossReason::WriteOutcomeUnknown, .. }
     ));
+    store.close().await.unwrap();
+}
+
+/// A connection breaks while its write still runs on the server, and the store cannot end that
+/// server process (EXECUTE on `pg_terminate_backend` was revoked after the store opened). The
+/// old statement may commit at any time, so the store fails closed (`WriteOutcomeUnknown`)
+/// instead of retrying: a later call of the key must not succeed and then be overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_whose_session_cannot_be_ended_fails_the_store_closed() {
+    let (config, superuser) = common::own_database("noend").await;
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let mut via_proxy = server.config_via(proxy.addr());
+    via_proxy.user(config.get_user().unwrap()).dbname(config.get_dbname().unwrap());
+    let t = table("noend");
+    let store = PgKvStore::builder_from_config(via_proxy)
+        .table(&t)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed_on(superuser, &t).await;
+
+    let write = tokio::spawn(store.write("r", "s", "k", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    common::revoke_terminate(&gates.holder).await;
+    proxy.cut_all(); // The server process keeps waiting at the gate, then would commit.
+    assert_failed_closed(&store, within("write", write).await.unwrap()).await;
+
+    // The orphaned statement still commits; no call that succeeded is overwritten by it.
+    gates.open('1').await;
+    let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+    within("the orphan commits", async {
+        while gates.holder.query_one(&sql, &[]).await.unwrap().get::<_, Vec<u8>>(0) != b"gate1" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     store.close().await.unwrap();
 }
 
@@ -302,7 +342,7 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
     gates.wait_for(1, "unnest").await;
     doomed.shutdown_background();
 
-    assert_failed_closed(&store, caller).await;
+    assert_failed_closed(&store, outcome_of(caller).await).await;
     gates.open('2').await;
     wait_for_value(&t, "k", b"gate2").await;
     for hold in holds {

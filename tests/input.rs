@@ -161,3 +161,24 @@ async fn role_that_cannot_end_its_own_sessions_is_refused() {
         .unwrap();
     PgKvStore::builder_from_config(plain).table(&t).open().await.unwrap().close().await.unwrap();
 }
+
+/// A role that may not execute `pg_terminate_backend` (a hardened database revokes it from
+/// PUBLIC) is refused at open, like one that cannot see its sessions: pgfence could not end the
+/// session of a write whose outcome is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn role_that_may_not_terminate_sessions_is_refused() {
+    let (config, superuser) = common::own_database("noterm").await;
+    let t = table("noterm");
+    PgKvStore::builder_from_config(config.clone())
+        .table(&t)
+        .open()
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    common::revoke_terminate(&superuser).await;
+    let e = PgKvStore::builder_from_config(config).table(&t).open().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { field: "role", .. }), "{e:?}");
+    assert!(e.to_string().contains("pg_terminate_backend"), "says what is missing: {e}");
+}

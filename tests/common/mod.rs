@@ -221,3 +221,29 @@ pub async fn refuse_key(table: &str, key: &str) {
         .await
         .expect("create the refusing trigger")
 }
+
+/// A fresh database owned by a fresh login role that is not a superuser (privileges apply to
+/// it): that role's configuration for the database, and a superuser connection to it.
+pub async fn own_database(prefix: &str) -> (tokio_postgres::Config, tokio_postgres::Client) {
+    let (role, db) = (table(&format!("{prefix}_role")), table(&format!("{prefix}_db")));
+    admin().await.batch_execute(&format!("CREATE ROLE {role} LOGIN")).await.unwrap();
+    let superuser = server().create_database(&db).await.expect("create database");
+    let (client, connection) =
+        superuser.connect(tokio_postgres::NoTls).await.expect("connect to the new database");
+    tokio::spawn(connection);
+    client.batch_execute(&format!("ALTER DATABASE {db} OWNER TO {role}")).await.unwrap();
+    let mut config = superuser;
+    config.user(&role);
+    (config, client)
+}
+
+/// Revokes EXECUTE on `pg_terminate_backend` from PUBLIC in the database of `superuser` (as a
+/// hardened database may): its roles that are not superusers can no longer end sessions.
+pub async fn revoke_terminate(superuser: &tokio_postgres::Client) {
+    superuser
+        .batch_execute(
+            "REVOKE EXECUTE ON FUNCTION pg_terminate_backend(integer, bigint) FROM PUBLIC",
+        )
+        .await
+        .unwrap();
+}
