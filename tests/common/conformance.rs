@@ -190,7 +190,8 @@ pub async fn check_pagination(kv: &dyn Kv) {
     assert_eq!(pages, 3);
 }
 
-/// Deleting keys between pages neither repeats nor skips a surviving key.
+/// Deleting keys between pages neither repeats nor skips a surviving key, and keys created
+/// after the listing started do not appear in its later pages.
 pub async fn check_pagination_with_deletions(kv: &dyn Kv) {
     let n = kv.page_size() * 3;
     for i in 0..n {
@@ -205,6 +206,9 @@ pub async fn check_pagination_with_deletions(kv: &dyn Kv) {
         let k = format!("k{i:04}");
         kv.remove("pgd", "sub", &k).await.unwrap();
         deleted.insert(k);
+    }
+    for i in 0..3 {
+        kv.write("pgd", "sub", &format!("new{i}"), vec![]).await.unwrap();
     }
     let mut rest = Vec::new();
     loop {
