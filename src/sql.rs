@@ -183,7 +183,7 @@ SELECT EXISTS (SELECT 1 FROM valid)"#;
 
 /// [`BATCH`] without removes, for batches of puts only (the common case, and every group of
 /// coalesced writes without a remove). `BATCH` with empty remove arrays still sets up its
-/// delete on every execution: measured side by side on one connection, it took 10-110 µs
+/// delete on every execution: measured side by side on one connection, it took 10-120 µs
 /// longer per statement (medians, 8 and 100 puts of 1 KiB). This statement's generic plan costs
 /// the same as its custom plans, so it is planned once per connection after five executions.
 pub(crate) const BATCH_PUT: &str = r#"
