@@ -133,7 +133,7 @@ async fn dropped_write_future_cannot_overwrite_a_later_call() {
     store.close().await.unwrap();
 }
 
-/// Gates in a trigger: a write of the value `gate1` or `gate2` to the table waits inside its
+/// Gates in a trigger: a write of the value `gate1`, `gate2` or `gate3` to the table waits inside its
 /// statement, before it locks the row, until the test opens that gate. Both start closed (held
 /// as session advisory locks by the test's own connection).
 struct Gates {
@@ -152,7 +152,7 @@ impl Gates {
             .batch_execute(&format!(
                 "CREATE FUNCTION \"{table}_gate\"() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
-                     IF NEW.value IN ('gate1'::bytea, 'gate2'::bytea) THEN
+                     IF NEW.value IN ('gate1'::bytea, 'gate2'::bytea, 'gate3'::bytea) THEN
                          PERFORM pg_advisory_xact_lock_shared(hashtext('{table}'),
                                                               get_byte(NEW.value, 4));
                      END IF;
@@ -161,7 +161,8 @@ impl Gates {
                  CREATE TRIGGER gate BEFORE INSERT ON \"{table}\"
                      FOR EACH ROW EXECUTE FUNCTION \"{table}_gate\"();
                  SELECT pg_advisory_lock(hashtext('{table}'), ascii('1')),
-                        pg_advisory_lock(hashtext('{table}'), ascii('2'));"
+                        pg_advisory_lock(hashtext('{table}'), ascii('2')),
+                        pg_advisory_lock(hashtext('{table}'), ascii('3'));"
             ))
             .await
             .unwrap();
@@ -323,21 +324,21 @@ async fn panic_policy_after_a_write_dropped_mid_statement_panics_in_the_next_ope
 
 /// The same with write coalescing: the dropped write sits in a statement that another caller
 /// (on a runtime that lives on) runs for a group of queued writes. The statement carries on
-/// after the dropped caller's key turn is gone, so the store must fail closed. (Without that,
-/// the later call below ran in the statement slot the dropped caller left and returned `Ok`.)
+/// after the dropped caller's key turn is gone, so the store must fail closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_store_closed() {
     let (t, store, gates) = gated_store("rtdownq", 2).await;
 
-    // Both statements allowed are busy; `c` queues, then `k` queues behind it.
-    let holds =
-        ["hold1", "hold2"].map(|key| tokio::spawn(store.write("r", "s", key, b"gate1".to_vec())));
+    // Both statements allowed are busy (behind gates 1 and 3); `c` queues, then `k` behind it.
+    let holds = [("hold1", b"gate1"), ("hold3", b"gate3")]
+        .map(|(key, gate)| tokio::spawn(store.write("r", "s", key, gate.to_vec())));
     gates.wait_for(2, "").await;
     let c = tokio::spawn(store.write("r", "s", "c", b"c".to_vec()));
     settle().await;
     let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate2");
     settle().await;
-    // `c`'s caller takes the group (c, k) and runs it; k's row waits at gate 2.
+    // One statement frees up: `c`'s caller, first in line for it, takes the group (c, k) and
+    // runs it; k's row waits at gate 2. `k`'s caller still waits for a statement of its own.
     gates.open('1').await;
     gates.wait_for(1, "unnest").await;
     doomed.shutdown_background();
@@ -345,6 +346,7 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
     assert_failed_closed(&store, outcome_of(caller).await).await;
     gates.open('2').await;
     wait_for_value(&t, "k", b"gate2").await;
+    gates.open('3').await;
     for hold in holds {
         within("hold", hold).await.unwrap().unwrap();
     }
