@@ -21,11 +21,12 @@
 //! fails each of them at once, before any SQL.
 
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batch;
-use crate::error::{KeyPath, LossReason, Result};
+use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::store::{Inner, Mutation};
 
 /// The most mutations one shared statement carries.
@@ -108,8 +109,11 @@ impl Inner {
         if let Ok(_permit) = self.coalescer.statements.try_acquire() {
             return self.apply_alone(path, &mutation).await;
         }
-        // A store that has lost its lease fails at once instead of queueing behind statements
-        // that may take a while (they fail too, at their own check).
+        // A closed store, or one that has lost its lease, fails at once instead of queueing
+        // behind statements that may take a while (they fail too, at their own check).
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
         self.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });

@@ -24,7 +24,10 @@ pub enum LeaseLossPolicy {
     /// (a write's task dropped mid-statement when its runtime shut down) panics in the next
     /// operation.
     Panic,
-    /// Log at error level, then `std::process::abort()`: nothing of the process runs on.
+    /// Log at error level, then `std::process::abort()`: nothing of the process runs on. This
+    /// includes a loss found when a write's task is dropped mid-statement: shutting down a
+    /// runtime while a write runs on it aborts the process, since that write's outcome is
+    /// unknown (await or close the store's writes before shutting a runtime down).
     Abort,
 }
 

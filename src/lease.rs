@@ -25,7 +25,7 @@ pub enum LeaseState {
         /// The fencing token: strictly increasing per acquisition.
         epoch: i64,
     },
-    /// The lease is lost for good; every operation returns [`Error::LeaseLost`].
+    /// The lease is lost for good; every key operation returns [`Error::LeaseLost`].
     Lost {
         /// The epoch that was held.
         epoch: i64,

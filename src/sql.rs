@@ -243,11 +243,16 @@ pub(crate) const BACKEND_IDENTITY: &str =
 /// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Seeing and
 /// signalling require the privileges of the session (login) user: false after `SET ROLE` to a
 /// role without them. Calling `pg_terminate_backend` at all requires EXECUTE on it, which a
-/// hardened database may have revoked from PUBLIC.
+/// hardened database may have revoked from PUBLIC. Its signature is `(integer, bigint)` since
+/// PostgreSQL 14 and `(integer)` before: whichever exists is checked.
 pub(crate) const SESSION_CONTROL: &str = r#"
 SELECT backend_start IS NOT NULL
        AND (pg_has_role(session_user, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
-       AND has_function_privilege('pg_terminate_backend(integer, bigint)', 'EXECUTE')
+       AND coalesce(
+             has_function_privilege(
+               to_regprocedure('pg_catalog.pg_terminate_backend(integer, bigint)'), 'EXECUTE'),
+             has_function_privilege(
+               to_regprocedure('pg_catalog.pg_terminate_backend(integer)'), 'EXECUTE'))
   FROM pg_stat_activity
  WHERE pid = pg_backend_pid()"#;
 
@@ -255,7 +260,7 @@ SELECT backend_start IS NOT NULL
 /// vanished client only when it next writes to the socket, so the statement may still run and
 /// commit later. Ordering requires that it be over before the mutation is retried.
 pub(crate) const TERMINATE_BACKEND: &str = r#"
-SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_stat_activity
  WHERE pid = $1 AND backend_start = $2"#;
 
 /// Whether that server process still exists (its transaction, if any, is undecided).

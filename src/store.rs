@@ -41,8 +41,8 @@ use crate::sql::{self, Statements};
 /// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
 ///   deadline (which comes before the database expiry), every key operation (reads, lists,
 ///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
-///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. Only
-///   [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
+///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. Of the calls that read the
+///   database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
 ///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts.
 /// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
 ///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
