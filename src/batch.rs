@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tokio_postgres::types::ToSql;
 use tracing::Instrument;
@@ -159,10 +158,7 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
     }
     if turns.is_empty() {
         // Nothing to write, but an operation of a closed or fenced store still fails.
-        if inner.closed.load(Ordering::SeqCst) {
-            return Err(Error::Closed);
-        }
-        return inner.lease.check();
+        return inner.check_usable();
     }
     apply_fenced(inner, ops).await?;
     for turn in turns {

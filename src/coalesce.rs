@@ -21,12 +21,11 @@
 //! fails each of them at once, before any SQL.
 
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
 
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batch;
-use crate::error::{Error, KeyPath, LossReason, Result};
+use crate::error::{KeyPath, LossReason, Result};
 use crate::store::{Inner, Mutation};
 
 /// The most mutations one shared statement carries.
@@ -111,10 +110,7 @@ impl Inner {
         }
         // A closed store, or one that has lost its lease, fails at once instead of queueing
         // behind statements that may take a while (they fail too, at their own check).
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(Error::Closed);
-        }
-        self.lease.check()?;
+        self.check_usable()?;
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
         let waiting = Waiting { inner: self, path };

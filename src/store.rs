@@ -447,6 +447,15 @@ impl Inner {
         move || lease.check().err().unwrap_or(Error::Closed)
     }
 
+    /// `Closed` if the store was closed, else the lease's state: the check every operation makes
+    /// before any SQL.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        self.lease.check()
+    }
+
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
         if value.len() > self.max_value_size {
             return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
