@@ -61,7 +61,7 @@ pub struct Builder {
     pub(crate) source: Source,
     pub(crate) table: String,
     pub(crate) lease_ttl: Duration,
-    pub(crate) renew_interval: Duration,
+    pub(crate) renew_interval: Option<Duration>,
     pub(crate) local_deadline: Option<Duration>,
     pub(crate) pool_size: usize,
     pub(crate) on_lease_lost: LeaseLossPolicy,
@@ -76,7 +76,6 @@ pub struct Builder {
 /// Defaults, also documented on the setters.
 pub(crate) const DEFAULT_TABLE: &str = "pgfence_kv";
 const DEFAULT_TTL: Duration = Duration::from_secs(30);
-const DEFAULT_RENEW: Duration = Duration::from_secs(10);
 const DEFAULT_POOL_SIZE: usize = 8;
 const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
@@ -90,7 +89,7 @@ impl Builder {
             source,
             table: DEFAULT_TABLE.to_owned(),
             lease_ttl: DEFAULT_TTL,
-            renew_interval: DEFAULT_RENEW,
+            renew_interval: None,
             local_deadline: None,
             pool_size: DEFAULT_POOL_SIZE,
             on_lease_lost: LeaseLossPolicy::default(),
@@ -118,10 +117,11 @@ impl Builder {
         self
     }
 
-    /// How often the background task renews the lease (default 10 s). Must be shorter than the
-    /// local deadline, so that a failed renewal can be retried before it.
+    /// How often the background task renews the lease (default half the local deadline: a third
+    /// of the TTL, 10 s by default). Must be shorter than the local deadline, so that a failed
+    /// renewal can be retried before it.
     pub fn renew_interval(mut self, interval: Duration) -> Self {
-        self.renew_interval = interval;
+        self.renew_interval = Some(interval);
         self
     }
 
@@ -221,6 +221,11 @@ impl Builder {
         self.local_deadline.unwrap_or(self.lease_ttl * 2 / 3)
     }
 
+    /// The effective renewal interval.
+    pub(crate) fn renew_every(&self) -> Duration {
+        self.renew_interval.unwrap_or(self.deadline() / 2)
+    }
+
     /// Checks every option; returns the parsed table name.
     pub(crate) fn validate(&self) -> Result<TableName> {
         if let Source::Invalid(reason) = &self.source {
@@ -244,12 +249,13 @@ impl Builder {
                 ),
             ));
         }
-        if self.renew_interval.is_zero() || self.renew_interval >= deadline {
+        let renew_every = self.renew_every();
+        if renew_every.is_zero() || renew_every >= deadline {
             return Err(Error::config(
                 "renew_interval",
                 format!(
                     "{} ms must be above zero and below the local deadline of {} ms (TTL {} ms)",
-                    ms(self.renew_interval),
+                    ms(renew_every),
                     ms(deadline),
                     ms(self.lease_ttl)
                 ),

@@ -840,7 +840,7 @@ impl Builder {
             release_sql: statements.release.clone(),
             notify_channel: sql::notify_channel(&table),
             ttl: self.lease_ttl,
-            renew_interval: self.renew_interval,
+            renew_interval: self.renew_every(),
             connect_timeout: self.connect_timeout,
             release_timeout: self.drop_timeout,
         };

@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{HANG_GUARD, admin, builder, lease_row, lease_table, steal_lease, table, within};
+use common::{
+    HANG_GUARD, admin, builder, lease_row, lease_table, server, steal_lease, table, within,
+};
 use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,6 +106,27 @@ async fn standby_does_not_migrate_a_held_table() {
         .get(0);
     assert_eq!(options, Some(vec!["fillfactor=70".to_owned()]), "migration 3 ran");
     b.close().await.unwrap();
+}
+
+/// Setting the TTL alone scales renewal with it (every half local deadline: a third of the
+/// TTL). A 3 s lease (below the fixed 10 s renewal default this replaced, which `open()` then
+/// refused) stays held by renewal alone past twice its TTL, and past its local deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_follows_a_ttl_set_alone() {
+    let t = table("ttl_alone");
+    let store = PgKvStore::builder_from_config(server().config())
+        .table(&t)
+        .lease_ttl(Duration::from_secs(3))
+        .open()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.write("ns", "sub", "k", b"v".to_vec()).await.unwrap();
+    let (_, epoch, expires_in_ms) = lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 1);
+    assert!(expires_in_ms > 0, "renewed: {expires_in_ms} ms left");
+    store.close().await.unwrap();
 }
 
 /// Setup is all or nothing: when a migration fails halfway (here, migration 2's index name is

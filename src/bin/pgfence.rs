@@ -528,12 +528,10 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
     // never the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
     let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
-    // Renewal every TTL/3 leaves another TTL/3 of retries (about one a second) before the local
-    // deadline at 2/3 TTL (the library's default), which itself comes before the DB expiry.
-    let builder = builder
-        .lease_ttl(args.ttl)
-        .renew_interval(args.ttl / 3)
-        .on_lease_lost(LeaseLossPolicy::FailClosed);
+    // The library's defaults for the TTL: renewal every TTL/3 leaves another TTL/3 of retries
+    // (about one a second) before the local deadline at 2/3 TTL, which itself comes before the
+    // DB expiry.
+    let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
 
     let store = if args.wait {
         let standby = builder.standby();
