@@ -14,7 +14,7 @@
 //!   An earlier call's value never overwrites a later one's, however the futures are polled;
 //!   a dropped future's operation still runs to the end.
 //! - `remove` is `Ok` whether or not the key existed; a `lazy` remove is executed eagerly.
-//! - `list` of an unknown namespace is empty; keys come sorted (LDK allows any order).
+//! - `list` of an unknown namespace is empty; keys come in byte order (LDK allows any order).
 //! - `list_paginated` returns keys newest-created first (an overwrite keeps a key's place), in
 //!   pages of the builder's `page_size`, with an opaque token that survives deletions.
 //! - `list_all_keys` returns every key of the table.

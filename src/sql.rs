@@ -273,6 +273,7 @@ pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_init.sql")),
     (2, include_str!("../migrations/0002_pagination_index.sql")),
     (3, include_str!("../migrations/0003_kv_fillfactor.sql")),
+    (4, include_str!("../migrations/0004_kv_key_collation.sql")),
 ];
 
 /// The statements of one store, with its table names substituted.

@@ -141,7 +141,7 @@ pub trait KvStore {
         lazy: bool,
     ) -> impl Future<Output = Result<()>> + Send + 'static + use<Self>;
 
-    /// Lists the keys of a namespace pair (sorted); empty for an unknown namespace.
+    /// Lists the keys of a namespace pair (in byte order); empty for an unknown namespace.
     fn list(
         &self,
         primary_namespace: &str,
@@ -246,7 +246,7 @@ impl PgKvStore {
         )
     }
 
-    /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.
+    /// Lists the keys of a namespace pair, in byte order; empty for an unknown namespace.
     pub async fn list(
         &self,
         primary_namespace: &str,
@@ -307,7 +307,7 @@ impl PgKvStore {
         .await
     }
 
-    /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, sorted.
+    /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, in byte order.
     pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
         let inner = &self.inner;
         let span = inner.span("list_all_keys", "", "", "");

@@ -98,7 +98,7 @@ async fn standby_does_not_migrate_a_held_table() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
     let options: Option<Vec<String>> = db
         .query_one("SELECT reloptions FROM pg_class WHERE relname = $1", &[&t])
         .await
@@ -126,6 +126,97 @@ async fn renewal_follows_a_ttl_set_alone() {
     let (_, epoch, expires_in_ms) = lease_row(&admin().await, &t).await;
     assert_eq!(epoch, 1);
     assert!(expires_in_ms > 0, "renewed: {expires_in_ms} ms left");
+    store.close().await.unwrap();
+}
+
+/// Keys are compared byte by byte, whatever the database's default collation (migration 4), so
+/// an operating-system upgrade that changes a linguistic collation's order can never leave the
+/// primary key out of order. In a database whose default is ICU's en-US (where `_x < -y < a <
+/// B`): a new table lists keys in byte order, and a table of schema version 3, whose key
+/// columns and indexes still use that default, is migrated when a store next takes the lease,
+/// its rows intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
+    let db = table("icu_db");
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE DATABASE {db} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' \
+             LOCALE 'C'"
+        ))
+        .await
+        .expect("create a database whose default collation is ICU's en-US");
+    let mut config = server().config();
+    config.dbname(&db);
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let linguistic: bool = client
+        .query_one("SELECT '_x' < '-y' AND '-y' < 'a' AND 'a' < 'B'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(linguistic, "the database's default collation is linguistic");
+
+    let t = table("collation");
+    let open = || {
+        PgKvStore::builder_from_config(config.clone())
+            .table(&t)
+            .pool_size(2)
+            .lease_ttl(Duration::from_secs(15))
+            .open()
+    };
+    let keys = ["B", "a", "_x", "-y", "11", "1-1", "A"];
+    let byte_order: Vec<String> = {
+        let mut sorted: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        sorted.sort();
+        sorted
+    };
+    assert_eq!(byte_order, ["-y", "1-1", "11", "A", "B", "_x", "a"]);
+    let store = open().await.unwrap();
+    for key in keys {
+        store.write("ns", "sub", key, key.as_bytes().to_vec()).await.unwrap();
+    }
+    assert_eq!(store.list("ns", "sub").await.unwrap(), byte_order, "a new table");
+    store.close().await.unwrap();
+    let index_collations = format!(
+        "SELECT array_agg(c.collname ORDER BY i.indexrelid::regclass::text, u.n)
+           FROM pg_index i, unnest(i.indcollation) WITH ORDINALITY AS u (oid, n), pg_collation c
+          WHERE i.indrelid = '\"{t}\"'::regclass AND c.oid = u.oid"
+    );
+    let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
+    assert_eq!(collations, ["C"; 5], "both indexes' text columns");
+
+    // Back to version 3: the key columns, and so both indexes, in the database's collation.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE \"{t}\"
+                 ALTER COLUMN primary_namespace   TYPE TEXT COLLATE \"default\",
+                 ALTER COLUMN secondary_namespace TYPE TEXT COLLATE \"default\",
+                 ALTER COLUMN key                 TYPE TEXT COLLATE \"default\";
+             DELETE FROM \"{t}_schema_version\" WHERE version = 4"
+        ))
+        .await
+        .unwrap();
+    let ordered_by_index = format!("SELECT array_agg(key ORDER BY key) FROM \"{t}\"");
+    let linguistic_order: Vec<String> =
+        client.query_one(&ordered_by_index, &[]).await.unwrap().get(0);
+    assert_eq!(linguistic_order, ["_x", "-y", "1-1", "11", "a", "A", "B"], "version 3");
+    let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
+    assert_eq!(collations, ["default"; 5], "version 3");
+
+    let store = open().await.unwrap();
+    let version: i32 = client
+        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 4, "migrated");
+    let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
+    assert_eq!(collations, ["C"; 5], "both indexes rebuilt");
+    assert_eq!(store.list("ns", "sub").await.unwrap(), byte_order, "a migrated table");
+    for key in keys {
+        assert_eq!(store.read("ns", "sub", key).await.unwrap(), key.as_bytes(), "{key}");
+    }
     store.close().await.unwrap();
 }
 
@@ -159,7 +250,7 @@ async fn newer_schema_is_refused_unchanged() {
         .await
         .unwrap();
     let e = builder(&t).open().await.unwrap_err();
-    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 3, .. }), "{e:?}");
+    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 4, .. }), "{e:?}");
     let (_, epoch, _) = lease_row(&db, &t).await;
     assert_eq!(epoch, 1, "no lease was taken");
 }

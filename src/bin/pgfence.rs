@@ -71,7 +71,7 @@ enum Command {
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
-    /// Lists the keys of a namespace pair, one a line, sorted.
+    /// Lists the keys of a namespace pair, one a line, in byte order.
     Ls {
         /// Primary namespace (may be empty: "").
         #[arg(value_name = "NS")]
