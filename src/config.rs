@@ -3,6 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use tokio_postgres::config::SslMode;
+
+use crate::connect::Tls;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
 
@@ -71,6 +74,7 @@ pub struct Builder {
     pub(crate) connect_timeout: Duration,
     pub(crate) application_name: String,
     pub(crate) write_concurrency: usize,
+    pub(crate) tls: Tls,
 }
 
 /// Defaults, also documented on the setters.
@@ -99,6 +103,7 @@ impl Builder {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             application_name: default_application_name(),
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
+            tls: Tls::default(),
         }
     }
 
@@ -188,6 +193,24 @@ impl Builder {
         self
     }
 
+    /// Encrypts every connection the store opens with TLS (rustls), and verifies the server as
+    /// `config` says: give it the roots to trust (the `webpki-roots` crate's for a public
+    /// certificate authority, or your own CA's) and the server's certificate must match the
+    /// host name (or IP address) connected to. Every connection then *requires* TLS: the pool's,
+    /// the lease renewal's and a standby's own; a server that does not offer it is an error,
+    /// never a silent fall-back to plain text. TCP hosts only (PostgreSQL offers no TLS on a Unix
+    /// socket).
+    ///
+    /// Without it the store connects without TLS, and a connection string asking for
+    /// `sslmode=require` is refused by `open()` (`InvalidConfig { field: "tls" }`) rather than
+    /// sent in plain text; so is `sslmode=disable` with it. For a store built on a pool
+    /// ([`crate::PgKvStore::builder_from_pool`]) the pool's own connector decides; setting this
+    /// too is refused.
+    pub fn tls(mut self, config: rustls::ClientConfig) -> Self {
+        self.tls = Tls::rustls(config);
+        self
+    }
+
     /// How the holder names itself in the lease row, for operators (default: the executable's
     /// name). Host and process id are recorded too.
     pub fn application_name(mut self, name: impl Into<String>) -> Self {
@@ -199,11 +222,15 @@ impl Builder {
     /// defaults filled in where the caller set nothing: the connect timeout; a TCP user timeout
     /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
     /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
-    /// timeout of many minutes; and an `application_name` of `pgfence <app>` so operators can
-    /// find the store's sessions. `None` for a pool source.
+    /// timeout of many minutes; an `application_name` of `pgfence <app>` so operators can
+    /// find the store's sessions; and, with [`Builder::tls`], `sslmode=require`. `None` for a
+    /// pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
         let Source::Config(config) = &self.source else { return None };
         let mut config = (**config).clone();
+        if self.tls.is_on() {
+            config.ssl_mode(SslMode::Require);
+        }
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(self.connect_timeout);
         }
@@ -278,6 +305,27 @@ impl Builder {
         }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect_timeout", "must be above zero"));
+        }
+        match &self.source {
+            Source::Pool(_) if self.tls.is_on() => {
+                return Err(Error::config(
+                    "tls",
+                    "a store on a pool connects with the pool's own connector: configure TLS there",
+                ));
+            }
+            Source::Config(config) => match (config.get_ssl_mode(), self.tls.is_on()) {
+                (SslMode::Require, false) => {
+                    return Err(Error::config(
+                        "tls",
+                        "sslmode=require needs Builder::tls (the TLS client configuration)",
+                    ));
+                }
+                (SslMode::Disable, true) => {
+                    return Err(Error::config("tls", "sslmode=disable contradicts Builder::tls"));
+                }
+                _ => {}
+            },
+            _ => {}
         }
         Ok(table)
     }

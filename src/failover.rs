@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{AsyncMessage, NoTls};
 
 use crate::config::Builder;
 use crate::error::{Error, Result};
@@ -161,26 +160,8 @@ impl Listener {
     async fn start(builder: &Builder, table: &TableName) -> Option<Listener> {
         let config = builder.connection_config()?;
         let connecting = async {
-            let (client, mut connection) = config.connect(NoTls).await?;
             let (tx, notified) = mpsc::unbounded_channel();
-            // A connection's notifications arrive only through poll_message; the plain
-            // `Connection` future would drop them.
-            let task = tokio::spawn(async move {
-                while let Some(message) =
-                    std::future::poll_fn(|cx| connection.poll_message(cx)).await
-                {
-                    match message {
-                        Ok(AsyncMessage::Notification(_)) => {
-                            let _ = tx.send(()); // The standby may be gone; nothing to do.
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::debug!(error = %e, "pgfence standby LISTEN connection ended");
-                            break;
-                        }
-                    }
-                }
-            });
+            let (client, task) = builder.tls.connect(&config, "standby LISTEN", Some(tx)).await?;
             let listener = Listener { notified, task, client };
             let channel = sql::notify_channel(table);
             listener.client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;

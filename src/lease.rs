@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 use crate::config::LeaseLossPolicy;
+use crate::connect::Tls;
 use crate::error::{Error, LossReason, Result};
 
 /// What a store knows of its lease, published on [`crate::PgKvStore::lease_state`].
@@ -246,7 +246,7 @@ pub(crate) fn clock() -> Duration {
 #[derive(Debug, Clone)]
 pub(crate) enum Connector {
     /// Connects on the renewal thread's own runtime: fully independent of the application.
-    Config(Box<tokio_postgres::Config>),
+    Config(Box<tokio_postgres::Config>, Tls),
     /// An application-supplied pool: a connection is taken out of it for good (the pool opens
     /// a replacement when it needs one). Its I/O task runs on the runtime that created it.
     Pool(deadpool_postgres::Pool),
@@ -271,14 +271,9 @@ impl Connector {
         let operation = "connect (lease renewal)";
         let connecting = async {
             match self {
-                Connector::Config(config) => {
-                    let (client, connection) =
-                        config.connect(NoTls).await.map_err(Error::db(operation))?;
-                    tokio::spawn(async move {
-                        if let Err(e) = connection.await {
-                            tracing::debug!(error = %e, "pgfence renewal connection ended");
-                        }
-                    });
+                Connector::Config(config, tls) => {
+                    let (client, _) =
+                        tls.connect(config, "renewal", None).await.map_err(Error::db(operation))?;
                     Ok(Conn::Own(client))
                 }
                 Connector::Pool(pool) => {

@@ -5,6 +5,7 @@
 mod batch;
 mod coalesce;
 mod config;
+mod connect;
 mod error;
 mod failover;
 mod keys;
@@ -28,6 +29,9 @@ pub use error::{Error, KeyPath, LossReason, Result};
 pub use failover::{Inspector, Standby, StandbyState};
 pub use keys::{MAX_KEY_LEN, check_key};
 pub use lease::LeaseState;
+/// The TLS library whose `ClientConfig` `Builder::tls` takes, re-exported so versions always
+/// match.
+pub use rustls;
 pub use schema::LeaseInfo;
 pub use store::{KvStore, Page, PageToken, PgKvStore};
 /// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.

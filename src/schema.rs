@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
+use crate::connect::Tls;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
 use crate::sql::{self, Statements};
@@ -181,16 +182,16 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 }
 
 /// Creates the database named in `config` when it does not exist (connecting to the
-/// `postgres` database with the same credentials). A concurrent creation is not an error.
-pub(crate) async fn create_database(config: &tokio_postgres::Config) -> Result<()> {
+/// `postgres` database with the same credentials and TLS). A concurrent creation is not an
+/// error.
+pub(crate) async fn create_database(config: &tokio_postgres::Config, tls: &Tls) -> Result<()> {
     let name = config.get_dbname().or(config.get_user()).unwrap_or("postgres").to_owned();
     let mut admin = config.clone();
     admin.dbname("postgres");
-    let (client, connection) = admin
-        .connect(tokio_postgres::NoTls)
+    let (client, connection) = tls
+        .connect(&admin, "create database", None)
         .await
         .map_err(Error::db("connect to create database"))?;
-    let connection = tokio::spawn(connection);
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
     let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;

@@ -6,16 +6,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use deadpool_postgres::{Pool, PoolError, Runtime};
 use tokio::sync::{RwLock, watch};
+use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{NoTls, Row};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::coalesce::Coalescer;
 use crate::config::{Builder, Source, host_name};
+use crate::connect;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease, LeaseState};
@@ -767,11 +768,7 @@ impl Builder {
                 return Err(Error::config("connection string", reason.clone()));
             }
         };
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig { recycling_method: RecyclingMethod::Fast },
-        );
+        let manager = self.tls.manager(config, connect::manager_config());
         Pool::builder(manager)
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
@@ -796,7 +793,7 @@ impl Builder {
         let (connector, config) = match &self.source {
             Source::Config(_) => {
                 let config = self.connection_config().expect("a config source");
-                (Connector::Config(Box::new(config.clone())), Some(config))
+                (Connector::Config(Box::new(config.clone()), self.tls.clone()), Some(config))
             }
             Source::Pool(pool) => (Connector::Pool(pool.clone()), None),
             Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
@@ -810,7 +807,7 @@ impl Builder {
                         source: Box::new(PoolError::Backend(e)),
                     });
                 };
-                schema::create_database(config).await?;
+                schema::create_database(config, &self.tls).await?;
                 pool.get().await.map_err(Error::pool("connect"))?
             }
             other => other.map_err(Error::pool("connect"))?,

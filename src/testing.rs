@@ -7,7 +7,7 @@
 //!   `DATABASE_URL` when that is set, otherwise one private temporary cluster, started on first
 //!   use and stopped when the process ends.
 //! - [`TestCluster`] is a private cluster owned by one test, for tests that stop or restart the
-//!   server.
+//!   server; [`TestCluster::start_tls`] makes one that takes TCP connections over TLS only.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
@@ -91,6 +91,15 @@ host    all       pgfence_pw_test  127.0.0.1/32   scram-sha-256
 host    all       pgfence_pw_test  ::1/128        scram-sha-256
 host    all       all              127.0.0.1/32   trust
 host    all       all              ::1/128        trust
+";
+
+/// `pg_hba.conf` of a cluster made by [`TestCluster::start_tls`]: TCP only over TLS.
+const PG_HBA_CONF_TLS: &str = "\
+# Written by pgfence::testing (TLS only over TCP).
+# TYPE     DATABASE  USER  ADDRESS       METHOD
+local      all       all                 trust
+hostssl    all       all   127.0.0.1/32  trust
+hostnossl  all       all   127.0.0.1/32  reject
 ";
 
 /// Run once on a new private cluster, as the superuser. `password_encryption` is set to
@@ -317,12 +326,42 @@ impl TestServer {
 #[derive(Debug)]
 pub struct TestCluster {
     cluster: Cluster,
+    /// The certificate authority of a TLS cluster's server certificate, PEM-encoded.
+    tls_root: Option<String>,
 }
 
 impl TestCluster {
     /// Creates and starts a new private cluster.
     pub fn start() -> io::Result<TestCluster> {
-        Ok(TestCluster { cluster: Cluster::launch()? })
+        Ok(TestCluster { cluster: Cluster::launch()?, tls_root: None })
+    }
+
+    /// Creates and starts a new private cluster that takes TCP connections over TLS only (a
+    /// plain one is rejected by `pg_hba.conf`; the Unix socket stays open). Its server
+    /// certificate names `127.0.0.1` and `localhost`, issued by a certificate authority made for
+    /// this cluster alone, which [`TestCluster::tls_client_config`] trusts.
+    pub fn start_tls() -> io::Result<TestCluster> {
+        let cluster = Cluster::launch()?;
+        let tls_root = cluster.enable_tls()?;
+        Ok(TestCluster { cluster, tls_root: Some(tls_root) })
+    }
+
+    /// A TLS client configuration that trusts only this cluster's certificate authority; `None`
+    /// for a cluster without TLS.
+    pub fn tls_client_config(&self) -> Option<rustls::ClientConfig> {
+        use rustls::pki_types::{CertificateDer, pem::PemObject};
+        self.tls_root.as_ref().map(|pem| {
+            let mut roots = rustls::RootCertStore::empty();
+            let root = CertificateDer::from_pem_slice(pem.as_bytes()).expect("our own PEM");
+            roots.add(root).expect("the cluster's own CA certificate");
+            tls_client_config(roots)
+        })
+    }
+
+    /// This cluster's certificate authority as PEM (for a `--tls-root-cert` file); `None` for a
+    /// cluster without TLS.
+    pub fn tls_root_pem(&self) -> Option<&str> {
+        self.tls_root.as_deref()
     }
 
     /// Stops the server in fast mode (`pg_ctl stop -m fast`): sessions are terminated, the
@@ -374,11 +413,32 @@ impl TestCluster {
         &self.cluster.data_dir
     }
 
-    /// Opens a superuser connection. Its connection task is spawned on the current tokio
-    /// runtime and ends when the client is dropped or the connection breaks.
+    /// Opens a superuser connection (over TLS on a [`TestCluster::start_tls`] cluster). Its
+    /// connection task is spawned on the current tokio runtime and ends when the client is
+    /// dropped or the connection breaks.
     pub async fn connect(&self) -> Result<Client, tokio_postgres::Error> {
-        connect_spawned(&self.config()).await
+        let Some(tls) = self.tls_client_config() else {
+            return connect_spawned(&self.config()).await;
+        };
+        let mut config = self.config();
+        config.ssl_mode(tokio_postgres::config::SslMode::Require);
+        let (client, connection) =
+            config.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(client)
     }
+}
+
+/// A TLS client configuration trusting `roots`, with ring, whatever crypto provider the
+/// process has installed as its default.
+pub fn tls_client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -544,6 +604,45 @@ impl Cluster {
                 .arg("--no-sync"),
             "initdb",
         )
+    }
+
+    /// Makes a certificate authority and a server certificate for `127.0.0.1` and `localhost`,
+    /// turns TLS on, allows TCP over TLS only, and restarts the server (a reload would take
+    /// effect some time after `pg_ctl reload` returns). Returns the CA certificate as PEM.
+    fn enable_tls(&self) -> io::Result<String> {
+        let tls_error = |e: rcgen::Error| io::Error::other(format!("test certificates: {e}"));
+        let mut ca_params = rcgen::CertificateParams::new(Vec::new()).map_err(tls_error)?;
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "pgfence test CA");
+        let ca = rcgen::CertifiedIssuer::self_signed(
+            ca_params,
+            rcgen::KeyPair::generate().map_err(tls_error)?,
+        )
+        .map_err(tls_error)?;
+        let server_key = rcgen::KeyPair::generate().map_err(tls_error)?;
+        let server_cert =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+                .map_err(tls_error)?
+                .signed_by(&server_key, &ca)
+                .map_err(tls_error)?;
+        for (name, pem) in
+            [("server.crt", server_cert.pem()), ("server.key", server_key.serialize_pem())]
+        {
+            let path = self.data_dir.join(name);
+            fs::write(&path, pem)?;
+            // PostgreSQL refuses a key file that others may read.
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600))?;
+            self.give_to_server_user(&path)?;
+        }
+        let hba = self.data_dir.join("pg_hba.conf");
+        fs::write(&hba, PG_HBA_CONF_TLS)?;
+        let conf = self.data_dir.join("postgresql.conf");
+        let mut text = fs::read_to_string(&conf)?;
+        text.push_str("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        fs::write(&conf, text)?;
+        self.stop("fast")?;
+        self.start()?;
+        Ok(ca.pem())
     }
 
     fn configure(&self) -> io::Result<()> {

@@ -479,6 +479,32 @@ fn stale_owner_is_fenced_and_exits_5() {
     d.stop("TERM", d_epoch);
 }
 
+/// `--tls-root-cert FILE`, against a cluster that takes TCP connections over TLS only: trusting
+/// the cluster's certificate authority, the CLI writes and reads; without the option its plain
+/// connection is rejected by the server (exit 1); a file with no certificate in it is a
+/// configuration error (exit 2).
+#[test]
+fn tls_root_cert_connects_over_verified_tls() {
+    let cluster = TestCluster::start_tls().expect("a private cluster with TLS");
+    let (url, table) = (cluster.url(), unique_name("cli_tls"));
+    let dir = std::env::temp_dir().join(unique_name("pgfence_cli_tls"));
+    std::fs::create_dir(&dir).unwrap();
+    let (ca, empty) = (dir.join("ca.pem"), dir.join("empty.pem"));
+    std::fs::write(&ca, cluster.tls_root_pem().expect("a TLS cluster")).unwrap();
+    std::fs::write(&empty, "").unwrap();
+    let (ca, empty) = (ca.to_str().unwrap(), empty.to_str().unwrap());
+
+    run(&url, &table, &["put", "--tls-root-cert", ca, "ns", "sub", "k", "v"], None)
+        .expect(0, "put over TLS");
+    let read = run(&url, &table, &["get", "--tls-root-cert", ca, "ns", "sub", "k"], None);
+    assert_eq!(read.expect(0, "get over TLS").stdout(), "v");
+    let plain = run(&url, &table, &["get", "ns", "sub", "k"], None);
+    assert!(plain.expect(1, "get without TLS").stderr.contains("no encryption"), "{plain:?}");
+    let no_roots = run(&url, &table, &["status", "--tls-root-cert", empty], None);
+    assert!(no_roots.expect(2, "no certificate").stderr.contains("no certificate"), "{no_roots:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Scenario 5: a restart of the database (pg_ctl restart) shorter than the local deadline while
 /// A holds: A keeps its lease and its epoch, and keeps writing.
 #[test]

@@ -32,7 +32,8 @@ Exit codes:
   4  key not found (get)
   5  lease lost (hold: taken over, force-released, or renewal failed)
 
-Connections are plain TCP or Unix socket: TLS is not supported yet (no sslmode=require).";
+Without --tls-root-cert, connections are plain TCP or Unix socket (and sslmode=require is
+refused); with it, every connection requires TLS and a server certificate from those roots.";
 
 /// Operator tool for a pgfence table: a key-value store in PostgreSQL that only the holder of
 /// the table's lease may mutate.
@@ -42,6 +43,11 @@ struct Cli {
     /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`).
     #[arg(long, value_name = "URL", env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
+
+    /// Connect over TLS only, trusting the certificate authorities in this PEM file (the
+    /// server's certificate must also name the host connected to).
+    #[arg(long, value_name = "FILE", env = "PGFENCE_TLS_ROOT_CERT", global = true)]
+    tls_root_cert: Option<std::path::PathBuf>,
 
     /// The KV table, `table` or `schema.table`; the lease lives in `<table>_lease`.
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
@@ -264,12 +270,34 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     fail(Exit::usage(line))
 }
 
+/// A TLS client configuration trusting exactly the certificates in the PEM file at `path`.
+fn tls_config(path: &std::path::Path) -> Result<pgfence::rustls::ClientConfig, Exit> {
+    use pgfence::rustls::pki_types::{CertificateDer, pem::PemObject};
+    let bad = |reason: String| Exit::usage(format!("--tls-root-cert {}: {reason}", path.display()));
+    let mut roots = pgfence::rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(path).map_err(|e| bad(e.to_string()))? {
+        roots.add(cert.map_err(|e| bad(e.to_string()))?).map_err(|e| bad(e.to_string()))?;
+    }
+    if roots.is_empty() {
+        return Err(bad("no certificate in it".to_owned()));
+    }
+    let provider = std::sync::Arc::new(pgfence::rustls::crypto::ring::default_provider());
+    Ok(pgfence::rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
 async fn run(cli: Cli) -> Result<(), Exit> {
     let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
         return Err(Exit::usage("no database: pass --database-url URL or set DATABASE_URL"));
     };
     // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
-    let builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
+    let mut builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
+    if let Some(path) = &cli.tls_root_cert {
+        builder = builder.tls(tls_config(path)?);
+    }
     match cli.command {
         Command::Status { json } => status(builder, json).await,
         Command::Get(k) => {

@@ -1,0 +1,95 @@
+//! How the store connects: plain, or TLS for every connection when [`crate::Builder::tls`] is
+//! set. The pool and the connections of their own (lease renewal, a standby's LISTEN, creating
+//! a missing database) all go through here, so none of them can be plain by mistake.
+
+use std::fmt;
+
+use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_postgres::{AsyncMessage, Client, Config, Connection, NoTls};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+/// The TLS client configuration of a store's connections; `None` connects without TLS.
+#[derive(Clone, Default)]
+pub(crate) struct Tls(Option<MakeRustlsConnect>);
+
+impl Tls {
+    pub(crate) fn rustls(config: rustls::ClientConfig) -> Tls {
+        Tls(Some(MakeRustlsConnect::new(config)))
+    }
+
+    pub(crate) fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The pool's connection manager, connecting like [`Tls::connect`].
+    pub(crate) fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
+        match &self.0 {
+            Some(tls) => Manager::from_config(config, tls.clone(), manager),
+            None => Manager::from_config(config, NoTls, manager),
+        }
+    }
+
+    /// Connects and spawns the task that drives the connection; it ends when the client is
+    /// dropped or the connection breaks (logged at debug level as `what`). A notification on
+    /// the connection (after LISTEN) is signalled on `notifications`.
+    pub(crate) async fn connect(
+        &self,
+        config: &Config,
+        what: &'static str,
+        notifications: Option<mpsc::UnboundedSender<()>>,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        Ok(match &self.0 {
+            Some(tls) => {
+                let (client, connection) = config.connect(tls.clone()).await?;
+                (client, drive(connection, what, notifications))
+            }
+            None => {
+                let (client, connection) = config.connect(NoTls).await?;
+                (client, drive(connection, what, notifications))
+            }
+        })
+    }
+}
+
+impl fmt::Debug for Tls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.is_on() { "Tls(rustls)" } else { "Tls(off)" })
+    }
+}
+
+/// The default for pools the store builds: a broken connection is noticed on use and retried.
+pub(crate) fn manager_config() -> ManagerConfig {
+    ManagerConfig { recycling_method: RecyclingMethod::Fast }
+}
+
+fn drive<S, T>(
+    mut connection: Connection<S, T>,
+    what: &'static str,
+    notifications: Option<mpsc::UnboundedSender<()>>,
+) -> JoinHandle<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        // Notifications arrive only through poll_message; the plain `Connection` future would
+        // drop them.
+        while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            match message {
+                Ok(AsyncMessage::Notification(_)) => {
+                    if let Some(notifications) = &notifications {
+                        let _ = notifications.send(()); // The receiver may be gone.
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "pgfence {what} connection ended");
+                    break;
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,141 @@
+//! TLS (`Builder::tls`): every connection the store opens is encrypted and the server verified,
+//! on a private cluster that rejects plain TCP connections; contradictory options are refused
+//! before any connection.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{HANG_GUARD, table, within};
+use pgfence::testing::{TestCluster, tls_client_config, unique_name};
+use pgfence::{Error, PgKvStore, StandbyState};
+
+fn tls_cluster() -> TestCluster {
+    TestCluster::start_tls().expect("a private cluster with TLS")
+}
+
+/// `(application_name, ssl)` of every session whose application name starts with `prefix`.
+async fn sessions(admin: &tokio_postgres::Client, prefix: &str) -> Vec<(String, bool)> {
+    admin
+        .query(
+            "SELECT a.application_name, s.ssl
+               FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+              WHERE starts_with(a.application_name, $1)
+              ORDER BY 1",
+            &[&prefix],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// Every kind of connection a store opens goes over verified TLS: the pool's (which here also
+/// creates the missing database, on a connection of its own), the lease renewal's, and a
+/// standby's LISTEN connection. The cluster rejects plain TCP, so none of them could have been
+/// plain (a plain renewal or LISTEN connection would fail, and its session never appear);
+/// `pg_stat_ssl` shows each one encrypted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_of_a_store_goes_over_tls() {
+    let cluster = tls_cluster();
+    let tls = cluster.tls_client_config().expect("a TLS cluster");
+    let admin = cluster.connect().await.expect("an admin connection over TLS");
+    let (db, t) = (unique_name("tls_db"), table("tls"));
+    let mut config = cluster.config();
+    config.dbname(&db);
+    let builder = |app: &str| {
+        PgKvStore::builder_from_config(config.clone())
+            .tls(tls.clone())
+            .table(&t)
+            .pool_size(2)
+            .lease_ttl(Duration::from_secs(6))
+            .application_name(app)
+    };
+
+    let active = builder("tls-active").open().await.expect("open over TLS");
+    active.write("ns", "sub", "k", b"v".to_vec()).await.unwrap();
+    assert_eq!(active.read("ns", "sub", "k").await.unwrap(), b"v");
+
+    let standby = builder("tls-standby").standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+    // The pool's connection (at least one), the renewal's (opened at the first renewal, two
+    // seconds in), and the standby's LISTEN connection.
+    let listening = "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = 'pgfence tls-standby' AND query LIKE 'LISTEN%'";
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    let seen = loop {
+        let seen = sessions(&admin, "pgfence tls-").await;
+        let active_sessions = seen.iter().filter(|(app, _)| app == "pgfence tls-active").count();
+        let listeners: i64 = admin.query_one(listening, &[]).await.unwrap().get(0);
+        if active_sessions >= 2 && listeners == 1 {
+            break seen;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "sessions never all appeared: {seen:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(seen.iter().all(|(_, ssl)| *ssl), "every session encrypted: {seen:?}");
+
+    active.close().await.unwrap();
+    let successor = within("standby acquires", waiting).await.unwrap().unwrap();
+    assert_eq!(successor.fencing_token(), 2);
+    assert_eq!(successor.read("ns", "sub", "k").await.unwrap(), b"v");
+    successor.close().await.unwrap();
+}
+
+/// The server must prove itself: a certificate from an authority the configuration does not
+/// trust fails `open()` with a connection error, before any SQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_certificate_from_an_untrusted_authority_is_refused() {
+    let cluster = tls_cluster();
+    let untrusting = tls_client_config(pgfence::rustls::RootCertStore::empty());
+    let t = table("tls_untrusted");
+    let e = PgKvStore::builder_from_config(cluster.config())
+        .tls(untrusting)
+        .table(&t)
+        .connect_timeout(Duration::from_secs(10))
+        .open()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    let chain = format!("{:?}", std::error::Error::source(&e));
+    assert!(chain.contains("UnknownIssuer"), "a certificate error: {chain}");
+    let admin = cluster.connect().await.unwrap();
+    let exists: Option<String> = admin
+        .query_one("SELECT to_regclass($1)::text", &[&format!("\"{t}\"")])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(exists, None, "nothing was created");
+}
+
+/// Options that contradict each other are refused by `open()` before it connects: asking
+/// for `sslmode=require` without a TLS configuration (the store would otherwise have to
+/// connect in plain text, or fail later), `sslmode=disable` with one, and TLS for a store on a
+/// pool, whose own connector decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contradictory_tls_options_are_refused_before_connecting() {
+    let tls = tls_client_config(pgfence::rustls::RootCertStore::empty());
+    // Port 1: nothing listens, so any attempt to connect would be a different error.
+    let require = PgKvStore::builder("postgres://nobody@127.0.0.1:1/db?sslmode=require");
+    let disable = PgKvStore::builder("postgres://nobody@127.0.0.1:1/db?sslmode=disable");
+    let pool = pgfence::deadpool_postgres::Pool::builder(pgfence::deadpool_postgres::Manager::new(
+        "postgres://nobody@127.0.0.1:1/db".parse().unwrap(),
+        pgfence::tokio_postgres::NoTls,
+    ))
+    .max_size(1)
+    .build()
+    .unwrap();
+    for builder in
+        [require, disable.tls(tls.clone()), PgKvStore::builder_from_pool(pool).tls(tls.clone())]
+    {
+        match builder.open().await {
+            Err(Error::InvalidConfig { field: "tls", .. }) => {}
+            other => panic!("expected InvalidConfig for tls, got {:?}", other.map(|_| "a store")),
+        }
+    }
+}
