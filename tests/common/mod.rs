@@ -39,6 +39,16 @@ pub async fn admin() -> tokio_postgres::Client {
     server().connect().await.expect("admin connection")
 }
 
+/// Whether the (unqualified) table `name` exists, as `client` sees it.
+pub async fn table_exists(client: &tokio_postgres::Client, name: &str) -> bool {
+    let found: Option<String> = client
+        .query_one("SELECT to_regclass($1)::text", &[&format!("\"{name}\"")])
+        .await
+        .unwrap()
+        .get(0);
+    found.is_some()
+}
+
 /// The quoted lease table of `table` (unqualified names only).
 pub fn lease_table(table: &str) -> String {
     format!("\"{table}_lease\"")
