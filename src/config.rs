@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use tokio_postgres::config::SslMode;
+use tokio_postgres::config::{Host, SslMode};
 
 use crate::connect::Tls;
 use crate::error::{Error, Result};
@@ -122,8 +122,8 @@ impl Builder {
         self
     }
 
-    /// How often the background task renews the lease (default half the local deadline: a third
-    /// of the TTL, 10 s by default). Must be shorter than the local deadline, so that a failed
+    /// How often the background task renews the lease (default half the local deadline, which is
+    /// a third of the TTL while the deadline is left at its default: 10 s of 30 s). Must be shorter than the local deadline, so that a failed
     /// renewal can be retried before it.
     pub fn renew_interval(mut self, interval: Duration) -> Self {
         self.renew_interval = Some(interval);
@@ -198,8 +198,8 @@ impl Builder {
     /// certificate authority, or your own CA's) and the server's certificate must match the
     /// host name (or IP address) connected to. Every connection then *requires* TLS: the pool's,
     /// the lease renewal's and a standby's own; a server that does not offer it is an error,
-    /// never a silent fall-back to plain text. TCP hosts only (PostgreSQL offers no TLS on a Unix
-    /// socket).
+    /// never a silent fall-back to plain text. TCP hosts only: PostgreSQL offers no TLS on a Unix
+    /// socket, so a Unix socket host is refused by `open()` too.
     ///
     /// Without it the store connects without TLS, and a connection string asking for
     /// `sslmode=require` is refused by `open()` (`InvalidConfig { field: "tls" }`) rather than
@@ -322,6 +322,12 @@ impl Builder {
                 }
                 (SslMode::Disable, true) => {
                     return Err(Error::config("tls", "sslmode=disable contradicts Builder::tls"));
+                }
+                (_, true) if config.get_hosts().iter().any(|h| matches!(h, Host::Unix(_))) => {
+                    return Err(Error::config(
+                        "tls",
+                        "PostgreSQL offers no TLS on a Unix socket: connect to a TCP host",
+                    ));
                 }
                 _ => {}
             },

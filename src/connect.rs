@@ -84,6 +84,9 @@ where
                         let _ = notifications.send(()); // The receiver may be gone.
                     }
                 }
+                Ok(AsyncMessage::Notice(notice)) => {
+                    tracing::debug!(notice = %notice, "pgfence {what} connection notice");
+                }
                 Ok(_) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "pgfence {what} connection ended");

@@ -250,8 +250,12 @@ pub(crate) fn is_connection_error(e: &tokio_postgres::Error) -> bool {
         let code = db.code().code();
         return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03");
     }
-    // No server error attached: I/O, connect or protocol failure on our side of the socket.
-    std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+    // No server error attached: I/O, connect or protocol failure on our side of the socket;
+    // except a TLS failure (a certificate not trusted or not for this host, no common
+    // protocol): a configuration error that no retry mends, so a standby must not wait on it.
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| !io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()))
 }
 
 impl From<Error> for std::io::Error {

@@ -244,7 +244,7 @@ impl Inspector {
         value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
     }
 
-    /// Keys of a namespace pair, sorted.
+    /// Keys of a namespace pair, in byte order.
     pub async fn list(
         &self,
         primary_namespace: &str,
@@ -257,7 +257,7 @@ impl Inspector {
         Ok(rows.unwrap_or_default().iter().map(|row| row.get(0)).collect())
     }
 
-    /// Every key as `(primary_namespace, secondary_namespace, key)`, sorted.
+    /// Every key as `(primary_namespace, secondary_namespace, key)`, in byte order.
     pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
         let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
         Ok(rows

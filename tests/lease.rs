@@ -110,18 +110,18 @@ async fn standby_does_not_migrate_a_held_table() {
 }
 
 /// Setting the TTL alone scales renewal with it (every half local deadline: a third of the
-/// TTL). A 3 s lease (below the fixed 10 s renewal default this replaced, which `open()` then
-/// refused) stays held by renewal alone past twice its TTL, and past its local deadline.
+/// TTL). A 9 s lease (for which the fixed 10 s renewal default this replaced was refused by
+/// `open()`) stays held by renewal alone past its TTL and its local deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_follows_a_ttl_set_alone() {
     let t = table("ttl_alone");
     let store = PgKvStore::builder_from_config(server().config())
         .table(&t)
-        .lease_ttl(Duration::from_secs(3))
+        .lease_ttl(Duration::from_secs(9))
         .open()
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.write("ns", "sub", "k", b"v".to_vec()).await.unwrap();
     let (_, epoch, expires_in_ms) = lease_row(&admin().await, &t).await;
@@ -205,7 +205,16 @@ async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
     let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
     assert_eq!(collations, ["default"; 5], "version 3");
 
+    // An inspector that spans the migration keeps working (its statements are not cached).
+    let inspector = PgKvStore::builder_from_config(config.clone())
+        .table(&t)
+        .pool_size(1)
+        .inspect()
+        .await
+        .unwrap();
+    assert_eq!(inspector.list("ns", "sub").await.unwrap(), linguistic_order, "version 3");
     let store = open().await.unwrap();
+    assert_eq!(inspector.list("ns", "sub").await.unwrap(), byte_order, "inspector, migrated");
     let version: i32 = client
         .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
         .await

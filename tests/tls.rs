@@ -48,7 +48,7 @@ async fn every_connection_of_a_store_goes_over_tls() {
         PgKvStore::builder_from_config(config.clone())
             .tls(tls.clone())
             .table(&t)
-            .pool_size(2)
+            .pool_size(1)
             .lease_ttl(Duration::from_secs(6))
             .application_name(app)
     };
@@ -63,8 +63,8 @@ async fn every_connection_of_a_store_goes_over_tls() {
     within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
         .await
         .unwrap();
-    // The pool's connection (at least one), the renewal's (opened at the first renewal, two
-    // seconds in), and the standby's LISTEN connection.
+    // The pool's one connection and the renewal's (opened at the first renewal, two seconds
+    // in), and the standby's LISTEN connection.
     let listening = "SELECT count(*) FROM pg_stat_activity
                       WHERE application_name = 'pgfence tls-standby' AND query LIKE 'LISTEN%'";
     let deadline = tokio::time::Instant::now() + HANG_GUARD;
@@ -88,14 +88,15 @@ async fn every_connection_of_a_store_goes_over_tls() {
 }
 
 /// The server must prove itself: a certificate from an authority the configuration does not
-/// trust fails `open()` with a connection error, before any SQL.
+/// trust fails `open()` with a connection error, before any SQL, and not a retryable one: a
+/// standby gives up at once instead of waiting forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_certificate_from_an_untrusted_authority_is_refused() {
     let cluster = tls_cluster();
     let untrusting = tls_client_config(pgfence::rustls::RootCertStore::empty());
     let t = table("tls_untrusted");
     let e = PgKvStore::builder_from_config(cluster.config())
-        .tls(untrusting)
+        .tls(untrusting.clone())
         .table(&t)
         .connect_timeout(Duration::from_secs(10))
         .open()
@@ -104,14 +105,20 @@ async fn server_certificate_from_an_untrusted_authority_is_refused() {
     assert!(matches!(e, Error::Pool { .. }), "{e:?}");
     let chain = format!("{:?}", std::error::Error::source(&e));
     assert!(chain.contains("UnknownIssuer"), "a certificate error: {chain}");
+    assert!(!e.is_retryable(), "no retry mends a certificate");
+    // So a standby (whose wait has no time limit by default) gives up at once, too.
+    let standby =
+        PgKvStore::builder_from_config(cluster.config()).tls(untrusting).table(&t).standby();
+    let e = within("the standby gives up", standby.open()).await.unwrap_err();
+    assert!(matches!(e, Error::Pool { .. }) && !e.is_retryable(), "{e:?}");
     let admin = cluster.connect().await.unwrap();
     assert!(!table_exists(&admin, &t).await, "nothing was created");
 }
 
 /// Options that contradict each other are refused by `open()` before it connects: asking
 /// for `sslmode=require` without a TLS configuration (the store would otherwise have to
-/// connect in plain text, or fail later), `sslmode=disable` with one, and TLS for a store on a
-/// pool, whose own connector decides.
+/// connect in plain text, or fail later), `sslmode=disable` with one, TLS for a store on a
+/// pool, whose own connector decides, and TLS to a Unix socket, where PostgreSQL offers none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contradictory_tls_options_are_refused_before_connecting() {
     let tls = tls_client_config(pgfence::rustls::RootCertStore::empty());
@@ -125,9 +132,13 @@ async fn contradictory_tls_options_are_refused_before_connecting() {
     .max_size(1)
     .build()
     .unwrap();
-    for builder in
-        [require, disable.tls(tls.clone()), PgKvStore::builder_from_pool(pool).tls(tls.clone())]
-    {
+    let unix_socket = PgKvStore::builder("host=/tmp user=nobody dbname=db");
+    for builder in [
+        require,
+        disable.tls(tls.clone()),
+        PgKvStore::builder_from_pool(pool).tls(tls.clone()),
+        unix_socket.tls(tls.clone()),
+    ] {
         match builder.open().await {
             Err(Error::InvalidConfig { field: "tls", .. }) => {}
             other => panic!("expected InvalidConfig for tls, got {:?}", other.map(|_| "a store")),
