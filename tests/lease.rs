@@ -80,12 +80,7 @@ async fn standby_does_not_migrate_a_held_table() {
     .unwrap();
     let e = builder(&t).open().await.unwrap_err();
     assert!(e.is_lease_held(), "{e:?}");
-    let version: i32 = db
-        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(version, 1, "the loser recorded no migration");
+    assert_eq!(schema_version(&db, &t).await, 1, "the loser recorded no migration");
     let index = db
         .query_opt("SELECT 1 FROM pg_class WHERE relname = $1", &[&format!("{t}_created_idx")])
         .await
@@ -94,12 +89,7 @@ async fn standby_does_not_migrate_a_held_table() {
     // The next successful open migrates for real.
     a.close().await.unwrap();
     let b = builder(&t).open().await.unwrap();
-    let version: i32 = db
-        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(version, 4);
+    assert_eq!(schema_version(&db, &t).await, 4);
     let options: Option<Vec<String>> = db
         .query_one("SELECT reloptions FROM pg_class WHERE relname = $1", &[&t])
         .await
@@ -107,6 +97,15 @@ async fn standby_does_not_migrate_a_held_table() {
         .get(0);
     assert_eq!(options, Some(vec!["fillfactor=70".to_owned()]), "migration 3 ran");
     b.close().await.unwrap();
+}
+
+/// The highest schema version recorded for table `t`.
+async fn schema_version(client: &tokio_postgres::Client, t: &str) -> i32 {
+    client
+        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 /// Setting the TTL alone scales renewal with it (every half local deadline: a third of the
@@ -215,12 +214,7 @@ async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
     assert_eq!(inspector.list("ns", "sub").await.unwrap(), linguistic_order, "version 3");
     let store = open().await.unwrap();
     assert_eq!(inspector.list("ns", "sub").await.unwrap(), byte_order, "inspector, migrated");
-    let version: i32 = client
-        .query_one(&format!("SELECT max(version) FROM \"{t}_schema_version\""), &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(version, 4, "migrated");
+    assert_eq!(schema_version(&client, &t).await, 4, "migrated");
     let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
     assert_eq!(collations, ["C"; 5], "both indexes rebuilt");
     assert_eq!(store.list("ns", "sub").await.unwrap(), byte_order, "a migrated table");
