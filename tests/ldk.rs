@@ -299,6 +299,16 @@ fn error_kinds_through_the_ldk_traits() {
         assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
         let e = KVStoreSync::read(&store, "p", "", "k").unwrap_err();
         assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
+
+        // Closed: NotConnected, sync and async alike.
+        let closed = LdkStore::open(common::builder(&common::table("ldkclosed"))).unwrap();
+        closed.close().unwrap();
+        let e = KVStoreSync::write(&closed, "p", "", "k", vec![1]).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
+        let e = runtime.block_on(KVStore::write(&closed, "p", "", "k", vec![2])).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
+        let e = runtime.block_on(KVStore::read(&closed, "p", "", "k")).unwrap_err();
+        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
         drop(runtime);
         drop(store);
     });
