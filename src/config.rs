@@ -123,8 +123,8 @@ impl Builder {
     }
 
     /// How often the background task renews the lease (default half the local deadline, which is
-    /// a third of the TTL while the deadline is left at its default: 10 s of 30 s). Must be shorter than the local deadline, so that a failed
-    /// renewal can be retried before it.
+    /// a third of the TTL while the deadline is left at its default: 10 s of 30 s). Must be
+    /// shorter than the local deadline, so that a failed renewal can be retried before it.
     pub fn renew_interval(mut self, interval: Duration) -> Self {
         self.renew_interval = Some(interval);
         self

@@ -24,8 +24,10 @@ impl Tls {
         self.0.is_some()
     }
 
-    /// The pool's connection manager, connecting like [`Tls::connect`].
-    pub(crate) fn manager(&self, config: Config, manager: ManagerConfig) -> Manager {
+    /// The manager of a pool the store builds, connecting like [`Tls::connect`], with fast
+    /// recycling: a broken connection is noticed on use and retried.
+    pub(crate) fn manager(&self, config: Config) -> Manager {
+        let manager = ManagerConfig { recycling_method: RecyclingMethod::Fast };
         match &self.0 {
             Some(tls) => Manager::from_config(config, tls.clone(), manager),
             None => Manager::from_config(config, NoTls, manager),
@@ -58,11 +60,6 @@ impl fmt::Debug for Tls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(if self.is_on() { "Tls(rustls)" } else { "Tls(off)" })
     }
-}
-
-/// The default for pools the store builds: a broken connection is noticed on use and retried.
-pub(crate) fn manager_config() -> ManagerConfig {
-    ManagerConfig { recycling_method: RecyclingMethod::Fast }
 }
 
 fn drive<S, T>(

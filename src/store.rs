@@ -16,7 +16,6 @@ use uuid::Uuid;
 
 use crate::coalesce::Coalescer;
 use crate::config::{Builder, Source, host_name};
-use crate::connect;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease, LeaseState};
@@ -768,7 +767,7 @@ impl Builder {
                 return Err(Error::config("connection string", reason.clone()));
             }
         };
-        let manager = self.tls.manager(config, connect::manager_config());
+        let manager = self.tls.manager(config);
         Pool::builder(manager)
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)

@@ -422,11 +422,7 @@ impl TestCluster {
         };
         let mut config = self.config();
         config.ssl_mode(tokio_postgres::config::SslMode::Require);
-        let (client, connection) =
-            config.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await?;
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
+        let (client, _) = crate::connect::Tls::rustls(tls).connect(&config, "test", None).await?;
         Ok(client)
     }
 }
