@@ -1,5 +1,6 @@
 //! Transient faults: killed backends and a restarted server. The store recovers without losing
-//! its lease, and no acknowledged write is lost or reordered.
+//! its lease, and no acknowledged write is lost or reordered. And a statement timeout, which
+//! bounds a blocked operation without costing the lease.
 
 mod common;
 
@@ -120,5 +121,38 @@ async fn server_restart_shorter_than_the_deadline_keeps_the_lease() {
         .unwrap();
     assert_eq!(row.get::<_, uuid::Uuid>(0), store.owner_id());
     assert!(row.get::<_, i64>(1) > 50_000, "renewed after the restart");
+    store.close().await.unwrap();
+}
+
+/// A `statement_timeout` in the connection's options bounds how long an operation waits, here
+/// a write blocked on a row lock that another session holds: PostgreSQL cancels the statement
+/// (`query_canceled`, rolled back, so its outcome is known and it is not retried), the caller
+/// gets that error, nothing is written, and the store keeps its lease and writes again once
+/// the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_timeout_in_the_options_bounds_a_blocked_write() {
+    let t = table("stmt_timeout");
+    let mut config = common::server().config();
+    config.options("-c statement_timeout=1000");
+    let store = PgKvStore::builder_from_config(config)
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(15))
+        .open()
+        .await
+        .unwrap();
+    store.write("ns", "sub", "k", b"before".to_vec()).await.unwrap();
+    let mut locker = admin().await;
+    let tx = common::lock_key_row(&mut locker, &t, "k").await;
+    let e = within("the blocked write", store.write("ns", "sub", "k", b"blocked".to_vec()))
+        .await
+        .unwrap_err();
+    let canceled = matches!(&e, pgfence::Error::Database { source, .. }
+        if source.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED));
+    assert!(canceled && !e.is_retryable(), "{e:?}");
+    tx.rollback().await.unwrap();
+    assert_eq!(store.read("ns", "sub", "k").await.unwrap(), b"before", "nothing written");
+    store.write("ns", "sub", "k", b"after".to_vec()).await.unwrap();
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
 }
