@@ -79,19 +79,10 @@ async fn settle() {
 /// `(key, xmin)` of every row of `(NS, SUB)`: rows with one `xmin` were written by one
 /// transaction.
 async fn writers_of(table: &str) -> BTreeMap<String, String> {
-    common::admin()
-        .await
-        .query(
-            &format!(
-                "SELECT key, xmin::text FROM \"{table}\" WHERE primary_namespace = $1 AND secondary_namespace = $2"
-            ),
-            &[&NS, &SUB],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
+    let sql = format!(
+        "SELECT key, xmin::text FROM \"{table}\" WHERE primary_namespace = $1 AND secondary_namespace = $2"
+    );
+    common::pairs(&common::admin().await, &sql, &[&NS, &SUB]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,19 +16,11 @@ fn tls_cluster() -> TestCluster {
 
 /// `(application_name, ssl)` of every session whose application name starts with `prefix`.
 async fn sessions(admin: &tokio_postgres::Client, prefix: &str) -> Vec<(String, bool)> {
-    admin
-        .query(
-            "SELECT a.application_name, s.ssl
-               FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
-              WHERE starts_with(a.application_name, $1)
-              ORDER BY 1",
-            &[&prefix],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect()
+    let sql = "SELECT a.application_name, s.ssl
+                 FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                WHERE starts_with(a.application_name, $1)
+                ORDER BY 1";
+    common::pairs(admin, sql, &[&prefix]).await
 }
 
 /// Every kind of connection a store opens goes over verified TLS: the pool's (which here also

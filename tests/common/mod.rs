@@ -39,6 +39,21 @@ pub async fn admin() -> tokio_postgres::Client {
     server().connect().await.expect("admin connection")
 }
 
+/// The two columns of every row `sql` returns on `client`, collected (into a `Vec` of pairs, a
+/// map, ...).
+pub async fn pairs<A, B, C>(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> C
+where
+    A: for<'r> tokio_postgres::types::FromSql<'r>,
+    B: for<'r> tokio_postgres::types::FromSql<'r>,
+    C: FromIterator<(A, B)>,
+{
+    client.query(sql, params).await.unwrap().iter().map(|row| (row.get(0), row.get(1))).collect()
+}
+
 /// Whether the (unqualified) table `name` exists, as `client` sees it.
 pub async fn table_exists(client: &tokio_postgres::Client, name: &str) -> bool {
     let found: Option<String> = client
