@@ -3,6 +3,7 @@
 //! a missing database) all go through here, so none of them can be plain by mistake.
 
 use std::fmt;
+use std::sync::Arc;
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -54,6 +55,18 @@ impl Tls {
             }
         })
     }
+}
+
+/// A TLS client configuration for [`crate::Builder::tls`] that trusts exactly `roots`, with
+/// rustls's ring provider and its default protocol versions (TLS 1.2 and 1.3), whatever
+/// provider the process has installed as its default. For client certificates or other
+/// settings, build a `rustls::ClientConfig` yourself.
+pub fn tls_client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring's default provider supports TLS 1.2 and 1.3")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 impl fmt::Debug for Tls {

@@ -354,7 +354,7 @@ impl TestCluster {
             let mut roots = rustls::RootCertStore::empty();
             let root = CertificateDer::from_pem_slice(pem.as_bytes()).expect("our own PEM");
             roots.add(root).expect("the cluster's own CA certificate");
-            tls_client_config(roots)
+            crate::tls_client_config(roots)
         })
     }
 
@@ -425,16 +425,6 @@ impl TestCluster {
         let (client, _) = crate::connect::Tls::rustls(tls).connect(&config, "test", None).await?;
         Ok(client)
     }
-}
-
-/// A TLS client configuration trusting `roots`, with ring, whatever crypto provider the
-/// process has installed as its default.
-pub fn tls_client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default TLS versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth()
 }
 
 // ---------------------------------------------------------------------------------------------

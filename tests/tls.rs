@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{HANG_GUARD, table, table_exists, within};
-use pgfence::testing::{TestCluster, tls_client_config, unique_name};
-use pgfence::{Error, PgKvStore, StandbyState};
+use pgfence::testing::{TestCluster, unique_name};
+use pgfence::{Error, PgKvStore, StandbyState, tls_client_config};
 
 fn tls_cluster() -> TestCluster {
     TestCluster::start_tls().expect("a private cluster with TLS")

@@ -281,12 +281,7 @@ fn tls_config(path: &std::path::Path) -> Result<pgfence::rustls::ClientConfig, E
     if roots.is_empty() {
         return Err(bad("no certificate in it".to_owned()));
     }
-    let provider = std::sync::Arc::new(pgfence::rustls::crypto::ring::default_provider());
-    Ok(pgfence::rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| bad(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
+    Ok(pgfence::tls_client_config(roots))
 }
 
 async fn run(cli: Cli) -> Result<(), Exit> {
