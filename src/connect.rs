@@ -6,11 +6,14 @@ use std::fmt;
 use std::sync::Arc;
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::{AsyncMessage, Client, Config, Connection, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::error::{Error, Result};
 
 /// The TLS client configuration of a store's connections; `None` connects without TLS.
 #[derive(Clone, Default)]
@@ -59,14 +62,39 @@ impl Tls {
 
 /// A TLS client configuration for [`crate::Builder::tls`] that trusts exactly `roots`, with
 /// rustls's ring provider and its default protocol versions (TLS 1.2 and 1.3), whatever
-/// provider the process has installed as its default. For client certificates or other
-/// settings, build a `rustls::ClientConfig` yourself.
+/// provider the process has installed as its default. It offers no client certificate: see
+/// [`tls_client_config_with_cert`] for a server that asks for one.
 pub fn tls_client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    tls_builder(roots).with_no_client_auth()
+}
+
+/// [`tls_client_config`], but also presenting `cert_chain` (the client's certificate first)
+/// with its private `key`, for a server whose `pg_hba.conf` asks for a client certificate
+/// (method `cert`, or `clientcert=verify-full`).
+///
+/// Fails with [`Error::InvalidConfig`] (field `"tls"`) when the chain is empty or the key is
+/// not usable (an unsupported type, or malformed); whether the key matches the certificate is
+/// checked by the server, which then refuses the connection.
+pub fn tls_client_config_with_cert(
+    roots: rustls::RootCertStore,
+    cert_chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<rustls::ClientConfig> {
+    if cert_chain.is_empty() {
+        return Err(Error::config("tls", "the client certificate chain is empty"));
+    }
+    tls_builder(roots)
+        .with_client_auth_cert(cert_chain, key)
+        .map_err(|e| Error::config("tls", format!("client certificate or key: {e}")))
+}
+
+fn tls_builder(
+    roots: rustls::RootCertStore,
+) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert> {
     rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .expect("ring's default provider supports TLS 1.2 and 1.3")
         .with_root_certificates(roots)
-        .with_no_client_auth()
 }
 
 impl fmt::Debug for Tls {

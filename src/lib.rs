@@ -23,7 +23,7 @@ pub mod testing;
 
 pub use batch::Batch;
 pub use config::{Builder, LeaseLossPolicy};
-pub use connect::tls_client_config;
+pub use connect::{tls_client_config, tls_client_config_with_cert};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;
 pub use error::{Error, KeyPath, LossReason, Result};

@@ -7,7 +7,8 @@
 //!   `DATABASE_URL` when that is set, otherwise one private temporary cluster, started on first
 //!   use and stopped when the process ends.
 //! - [`TestCluster`] is a private cluster owned by one test, for tests that stop or restart the
-//!   server; [`TestCluster::start_tls`] makes one that takes TCP connections over TLS only.
+//!   server; [`TestCluster::start_tls`] makes one that takes TCP connections over TLS only, and
+//!   logs [`CERT_ROLE`] in by client certificate alone.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
@@ -23,7 +24,8 @@
 //!
 //! Authentication is `trust` for everyone except [`PASSWORD_ROLE`], which must give
 //! [`PASSWORD_ROLE_PASSWORD`] over TCP (`scram-sha-256`), so tests can check how a wrong password
-//! is reported.
+//! is reported, and, on a TLS cluster, [`CERT_ROLE`], which must present its client
+//! certificate.
 //!
 //! Nothing is left running, however the test process ends. Rust never drops statics, and a
 //! panic that aborts or a `SIGKILL` runs no destructor at all, so every cluster gets a watchdog
@@ -93,14 +95,25 @@ host    all       all              127.0.0.1/32   trust
 host    all       all              ::1/128        trust
 ";
 
-/// `pg_hba.conf` of a cluster made by [`TestCluster::start_tls`]: TCP only over TLS.
+/// The role that a cluster made by [`TestCluster::start_tls`] lets in over TCP only with a
+/// client certificate issued to it by the cluster's certificate authority
+/// ([`TestCluster::client_cert_pem`]). It may create databases.
+pub const CERT_ROLE: &str = "pgfence_cert_test";
+
+/// `pg_hba.conf` of a cluster made by [`TestCluster::start_tls`]: TCP only over TLS, and
+/// [`CERT_ROLE`] only with its client certificate (`cert`: verified against `ssl_ca_file`, and
+/// its common name must be the role's name).
 const PG_HBA_CONF_TLS: &str = "\
 # Written by pgfence::testing (TLS only over TCP).
-# TYPE     DATABASE  USER  ADDRESS       METHOD
-local      all       all                 trust
-hostssl    all       all   127.0.0.1/32  trust
-hostnossl  all       all   127.0.0.1/32  reject
+# TYPE     DATABASE  USER               ADDRESS       METHOD
+local      all       all                                trust
+hostssl    all       pgfence_cert_test  127.0.0.1/32  cert
+hostssl    all       all                127.0.0.1/32  trust
+hostnossl  all       all                127.0.0.1/32  reject
 ";
+
+/// Run on a cluster before [`TestCluster::start_tls`] turns TLS on.
+const CREATE_CERT_ROLE_SQL: &str = "CREATE ROLE pgfence_cert_test LOGIN CREATEDB";
 
 /// Run once on a new private cluster, as the superuser. `password_encryption` is set to
 /// `scram-sha-256` in `postgresql.conf` before the server starts, so the password is stored
@@ -326,42 +339,76 @@ impl TestServer {
 #[derive(Debug)]
 pub struct TestCluster {
     cluster: Cluster,
-    /// The certificate authority of a TLS cluster's server certificate, PEM-encoded.
-    tls_root: Option<String>,
+    /// A TLS cluster's certificates, PEM-encoded.
+    tls: Option<TlsFiles>,
+}
+
+/// The PEM-encoded certificates of a cluster made by [`TestCluster::start_tls`].
+#[derive(Debug)]
+struct TlsFiles {
+    /// The certificate authority that issued the server's and the client's certificates.
+    root: String,
+    /// A client certificate for [`CERT_ROLE`], and its private key.
+    client_cert: String,
+    client_key: String,
 }
 
 impl TestCluster {
     /// Creates and starts a new private cluster.
     pub fn start() -> io::Result<TestCluster> {
-        Ok(TestCluster { cluster: Cluster::launch()?, tls_root: None })
+        Ok(TestCluster { cluster: Cluster::launch()?, tls: None })
     }
 
     /// Creates and starts a new private cluster that takes TCP connections over TLS only (a
     /// plain one is rejected by `pg_hba.conf`; the Unix socket stays open). Its server
     /// certificate names `127.0.0.1` and `localhost`, issued by a certificate authority made for
-    /// this cluster alone, which [`TestCluster::tls_client_config`] trusts.
+    /// this cluster alone, which [`TestCluster::tls_client_config`] trusts. [`CERT_ROLE`] logs
+    /// in over TCP with the client certificate of [`TestCluster::client_cert_pem`] only.
     pub fn start_tls() -> io::Result<TestCluster> {
         let cluster = Cluster::launch()?;
-        let tls_root = cluster.enable_tls()?;
-        Ok(TestCluster { cluster, tls_root: Some(tls_root) })
+        let tls = cluster.enable_tls()?;
+        Ok(TestCluster { cluster, tls: Some(tls) })
     }
 
     /// A TLS client configuration that trusts only this cluster's certificate authority; `None`
     /// for a cluster without TLS.
     pub fn tls_client_config(&self) -> Option<rustls::ClientConfig> {
-        use rustls::pki_types::{CertificateDer, pem::PemObject};
-        self.tls_root.as_ref().map(|pem| {
-            let mut roots = rustls::RootCertStore::empty();
-            let root = CertificateDer::from_pem_slice(pem.as_bytes()).expect("our own PEM");
-            roots.add(root).expect("the cluster's own CA certificate");
-            crate::tls_client_config(roots)
+        self.tls.as_ref().map(|tls| crate::tls_client_config(tls.roots()))
+    }
+
+    /// [`TestCluster::tls_client_config`], also presenting the client certificate of
+    /// [`CERT_ROLE`]; `None` for a cluster without TLS.
+    pub fn tls_client_config_with_cert(&self) -> Option<rustls::ClientConfig> {
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+        self.tls.as_ref().map(|tls| {
+            let cert = CertificateDer::from_pem_slice(tls.client_cert.as_bytes());
+            let key = PrivateKeyDer::from_pem_slice(tls.client_key.as_bytes());
+            crate::tls_client_config_with_cert(
+                tls.roots(),
+                vec![cert.expect("our own PEM")],
+                key.expect("our own PEM"),
+            )
+            .expect("our own certificate and key")
         })
     }
 
     /// This cluster's certificate authority as PEM (for a `--tls-root-cert` file); `None` for a
     /// cluster without TLS.
     pub fn tls_root_pem(&self) -> Option<&str> {
-        self.tls_root.as_deref()
+        self.tls.as_ref().map(|tls| tls.root.as_str())
+    }
+
+    /// The client certificate of [`CERT_ROLE`] and its private key, as PEM (for `--tls-cert`
+    /// and `--tls-key` files); `None` for a cluster without TLS.
+    pub fn client_cert_pem(&self) -> Option<(&str, &str)> {
+        self.tls.as_ref().map(|tls| (tls.client_cert.as_str(), tls.client_key.as_str()))
+    }
+
+    /// [`TestCluster::config`] logging in as [`CERT_ROLE`] (to the `postgres` database).
+    pub fn cert_role_config(&self) -> Config {
+        let mut config = self.config();
+        config.user(CERT_ROLE);
+        config
     }
 
     /// Stops the server in fast mode (`pg_ctl stop -m fast`): sessions are terminated, the
@@ -592,10 +639,11 @@ impl Cluster {
         )
     }
 
-    /// Makes a certificate authority and a server certificate for `127.0.0.1` and `localhost`,
-    /// turns TLS on, allows TCP over TLS only, and restarts the server (a reload would take
-    /// effect some time after `pg_ctl reload` returns). Returns the CA certificate as PEM.
-    fn enable_tls(&self) -> io::Result<String> {
+    /// Makes a certificate authority, a server certificate for `127.0.0.1` and `localhost` and
+    /// a client certificate for [`CERT_ROLE`] (which it creates), turns TLS on, allows TCP over
+    /// TLS only, and restarts the server (a reload would take effect some time after `pg_ctl
+    /// reload` returns).
+    fn enable_tls(&self) -> io::Result<TlsFiles> {
         let tls_error = |e: rcgen::Error| io::Error::other(format!("test certificates: {e}"));
         let mut ca_params = rcgen::CertificateParams::new(Vec::new()).map_err(tls_error)?;
         ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -611,24 +659,38 @@ impl Cluster {
                 .map_err(tls_error)?
                 .signed_by(&server_key, &ca)
                 .map_err(tls_error)?;
-        for (name, pem) in
-            [("server.crt", server_cert.pem()), ("server.key", server_key.serialize_pem())]
-        {
+        let client_key = rcgen::KeyPair::generate().map_err(tls_error)?;
+        let mut client_params = rcgen::CertificateParams::new(Vec::new()).map_err(tls_error)?;
+        client_params.distinguished_name.push(rcgen::DnType::CommonName, CERT_ROLE);
+        let client_cert = client_params.signed_by(&client_key, &ca).map_err(tls_error)?;
+        for (name, pem) in [
+            ("server.crt", server_cert.pem()),
+            ("server.key", server_key.serialize_pem()),
+            ("root.crt", ca.pem()),
+        ] {
             let path = self.data_dir.join(name);
             fs::write(&path, pem)?;
             // PostgreSQL refuses a key file that others may read.
             fs::set_permissions(&path, fs::Permissions::from_mode(0o600))?;
             self.give_to_server_user(&path)?;
         }
+        self.run_sql(CREATE_CERT_ROLE_SQL, CERT_ROLE)?;
         let hba = self.data_dir.join("pg_hba.conf");
         fs::write(&hba, PG_HBA_CONF_TLS)?;
         let conf = self.data_dir.join("postgresql.conf");
         let mut text = fs::read_to_string(&conf)?;
-        text.push_str("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        text.push_str(
+            "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n\
+             ssl_ca_file = 'root.crt'\n",
+        );
         fs::write(&conf, text)?;
         self.stop("fast")?;
         self.start()?;
-        Ok(ca.pem())
+        Ok(TlsFiles {
+            root: ca.pem(),
+            client_cert: client_cert.pem(),
+            client_key: client_key.serialize_pem(),
+        })
     }
 
     fn configure(&self) -> io::Result<()> {
@@ -722,6 +784,11 @@ impl Cluster {
     }
 
     fn create_password_role(&self) -> io::Result<()> {
+        self.run_sql(CREATE_PASSWORD_ROLE_SQL, PASSWORD_ROLE)
+    }
+
+    /// Runs `sql` as the superuser over plain TCP, creating `role`.
+    fn run_sql(&self, sql: &'static str, role: &str) -> io::Result<()> {
         let config = self.config();
         // This may be called from inside a tokio runtime (a test calling `shared()`), where
         // blocking on a future is not allowed: run the SQL on a thread of its own.
@@ -729,12 +796,22 @@ impl Cluster {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(async {
                 let client = connect_spawned(&config).await.map_err(io::Error::other)?;
-                client.batch_execute(CREATE_PASSWORD_ROLE_SQL).await.map_err(io::Error::other)
+                client.batch_execute(sql).await.map_err(io::Error::other)
             })
         })
         .join()
-        .map_err(|_| io::Error::other("the thread creating the password role panicked"))?
-        .map_err(|e| annotate(e, format!("could not create role {PASSWORD_ROLE}")))
+        .map_err(|_| io::Error::other(format!("the thread creating role {role} panicked")))?
+        .map_err(|e| annotate(e, format!("could not create role {role}")))
+    }
+}
+
+impl TlsFiles {
+    fn roots(&self) -> rustls::RootCertStore {
+        use rustls::pki_types::{CertificateDer, pem::PemObject};
+        let mut roots = rustls::RootCertStore::empty();
+        let root = CertificateDer::from_pem_slice(self.root.as_bytes()).expect("our own PEM");
+        roots.add(root).expect("the cluster's own CA certificate");
+        roots
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{TestCluster, TestServer, unique_name};
+use pgfence::testing::{CERT_ROLE, TestCluster, TestServer, unique_name};
 use serde_json::Value;
 use tokio_postgres::NoTls;
 
@@ -482,9 +482,11 @@ fn stale_owner_is_fenced_and_exits_5() {
 /// `--tls-root-cert FILE`, against a cluster that takes TCP connections over TLS only: trusting
 /// the cluster's certificate authority, the CLI writes and reads; without the option its plain
 /// connection is rejected by the server (exit 1); a file with no certificate in it is a
-/// configuration error (exit 2).
+/// configuration error (exit 2). A role that the server lets in by client certificate only
+/// writes and reads with `--tls-cert` and `--tls-key`, is refused without them (exit 1), and
+/// `--tls-cert` alone, or without `--tls-root-cert`, is a usage error (exit 2).
 #[test]
-fn tls_root_cert_connects_over_verified_tls() {
+fn tls_options_connect_over_verified_tls() {
     let cluster = TestCluster::start_tls().expect("a private cluster with TLS");
     let (url, table) = (cluster.url(), unique_name("cli_tls"));
     let dir = std::env::temp_dir().join(unique_name("pgfence_cli_tls"));
@@ -502,6 +504,34 @@ fn tls_root_cert_connects_over_verified_tls() {
     assert!(plain.expect(1, "get without TLS").stderr.contains("no encryption"), "{plain:?}");
     let no_roots = run(&url, &table, &["status", "--tls-root-cert", empty], None);
     assert!(no_roots.expect(2, "no certificate").stderr.contains("no certificate"), "{no_roots:?}");
+
+    // The certificate role, in a database of its own that the first put creates.
+    let cert_url =
+        format!("postgres://{CERT_ROLE}@127.0.0.1:{}/{}", cluster.port(), unique_name("cli_cert"));
+    let (cert, key) = (dir.join("client.pem"), dir.join("client.key"));
+    let (cert_pem, key_pem) = cluster.client_cert_pem().expect("a TLS cluster");
+    std::fs::write(&cert, cert_pem).unwrap();
+    std::fs::write(&key, key_pem).unwrap();
+    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let with_cert = |args: &[&str]| {
+        let args = [&["--tls-root-cert", ca, "--tls-cert", cert, "--tls-key", key], args].concat();
+        run(&cert_url, &table, &args, None)
+    };
+    with_cert(&["put", "ns", "sub", "k", "by certificate"])
+        .expect(0, "put with a client certificate");
+    let read = with_cert(&["get", "ns", "sub", "k"]);
+    assert_eq!(read.expect(0, "get with a client certificate").stdout(), "by certificate");
+    let refused = run(&cert_url, &table, &["get", "--tls-root-cert", ca, "ns", "sub", "k"], None);
+    assert!(
+        refused.expect(1, "no client certificate").stderr.contains("certificate"),
+        "{refused:?}"
+    );
+    for args in [
+        &["get", "--tls-root-cert", ca, "--tls-cert", cert, "ns", "sub", "k"][..],
+        &["get", "--tls-cert", cert, "--tls-key", key, "ns", "sub", "k"][..],
+    ] {
+        run(&cert_url, &table, args, None).expect(2, "an incomplete set of TLS options");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{HANG_GUARD, table, table_exists, within};
-use pgfence::testing::{TestCluster, unique_name};
-use pgfence::{Error, PgKvStore, StandbyState, tls_client_config};
+use pgfence::testing::{CERT_ROLE, TestCluster, unique_name};
+use pgfence::{Error, PgKvStore, StandbyState, tls_client_config, tls_client_config_with_cert};
 
 fn tls_cluster() -> TestCluster {
     TestCluster::start_tls().expect("a private cluster with TLS")
@@ -134,6 +134,75 @@ async fn contradictory_tls_options_are_refused_before_connecting() {
         match builder.open().await {
             Err(Error::InvalidConfig { field: "tls", .. }) => {}
             other => panic!("expected InvalidConfig for tls, got {:?}", other.map(|_| "a store")),
+        }
+    }
+}
+
+/// A server that asks for a client certificate (`pg_hba.conf` method `cert`) lets a store in
+/// with `tls_client_config_with_cert`: every connection presents it (the one creating the
+/// missing database, the pool's, the renewal's), and `pg_stat_ssl` shows it on each session.
+/// Without it, `open()` fails, not retryably, and creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_logs_in_where_the_server_asks_for_one() {
+    let cluster = tls_cluster();
+    let admin = cluster.connect().await.expect("an admin connection over TLS");
+    let (db, t) = (unique_name("tls_cert_db"), table("tls_cert"));
+    let mut config = cluster.cert_role_config();
+    config.dbname(&db);
+    let builder = || {
+        PgKvStore::builder_from_config(config.clone())
+            .table(&t)
+            .pool_size(1)
+            .lease_ttl(Duration::from_secs(6))
+            .application_name("tls-cert")
+    };
+
+    let e = builder().tls(cluster.tls_client_config().unwrap()).open().await.unwrap_err();
+    let chain = format!("{:?}", std::error::Error::source(&e));
+    assert!(chain.contains("28000"), "refused for want of a certificate: {e:?}");
+    assert!(!e.is_retryable(), "no retry brings a certificate: {e:?}");
+    let databases = "SELECT count(*) FROM pg_database WHERE datname = $1";
+    let found: i64 = admin.query_one(databases, &[&db]).await.unwrap().get(0);
+    assert_eq!(found, 0, "nothing was created");
+
+    let store = builder()
+        .tls(cluster.tls_client_config_with_cert().unwrap())
+        .open()
+        .await
+        .expect("open with a client certificate");
+    store.write("ns", "sub", "k", b"v".to_vec()).await.unwrap();
+    assert_eq!(store.read("ns", "sub", "k").await.unwrap(), b"v");
+    // The pool's one connection and the renewal's (opened at the first renewal, two seconds
+    // in).
+    let sql = "SELECT a.usename::text, s.client_dn
+                 FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                WHERE a.application_name = 'pgfence tls-cert'";
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    let seen = loop {
+        let seen: Vec<(String, Option<String>)> = common::pairs(&admin, sql, &[]).await;
+        if seen.len() >= 2 {
+            break seen;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "sessions never all appeared: {seen:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let expected = (CERT_ROLE.to_owned(), Some(format!("/CN={CERT_ROLE}")));
+    assert!(seen.iter().all(|session| *session == expected), "{seen:?}");
+    store.close().await.unwrap();
+}
+
+/// `tls_client_config_with_cert` refuses what rustls cannot use, as a configuration error: no
+/// certificate, or a key that is not one.
+#[test]
+fn an_unusable_client_certificate_or_key_is_a_configuration_error() {
+    use pgfence::rustls::RootCertStore;
+    use pgfence::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let cluster_free_cert = pgfence::rustls::pki_types::CertificateDer::from(vec![0x30, 0x00]);
+    let garbage = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(vec![1, 2, 3]));
+    for (chain, what) in [(vec![], "empty chain"), (vec![cluster_free_cert], "garbage key")] {
+        match tls_client_config_with_cert(RootCertStore::empty(), chain, garbage()) {
+            Err(Error::InvalidConfig { field: "tls", reason }) => println!("{what}: {reason}"),
+            other => panic!("{what}: expected InvalidConfig for tls, got {:?}", other.err()),
         }
     }
 }

@@ -33,7 +33,8 @@ Exit codes:
   5  lease lost (hold: taken over, force-released, or renewal failed)
 
 Without --tls-root-cert, connections are plain TCP or Unix socket (and sslmode=require is
-refused); with it, every connection requires TLS and a server certificate from those roots.";
+refused); with it, every connection requires TLS and a server certificate from those roots,
+and --tls-cert with --tls-key presents a client certificate to a server that asks for one.";
 
 /// Operator tool for a pgfence table: a key-value store in PostgreSQL that only the holder of
 /// the table's lease may mutate.
@@ -48,6 +49,27 @@ struct Cli {
     /// server's certificate must also name the host connected to).
     #[arg(long, value_name = "FILE", env = "PGFENCE_TLS_ROOT_CERT", global = true)]
     tls_root_cert: Option<std::path::PathBuf>,
+
+    /// With --tls-root-cert: present the client certificate (chain) in this PEM file, for a
+    /// server whose pg_hba.conf asks for one.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_TLS_CERT",
+        global = true,
+        requires_all = ["tls_key", "tls_root_cert"]
+    )]
+    tls_cert: Option<std::path::PathBuf>,
+
+    /// The private key of --tls-cert, in a PEM file.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_TLS_KEY",
+        global = true,
+        requires = "tls_cert"
+    )]
+    tls_key: Option<std::path::PathBuf>,
 
     /// The KV table, `table` or `schema.table`; the lease lives in `<table>_lease`.
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
@@ -270,18 +292,42 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     fail(Exit::usage(line))
 }
 
-/// A TLS client configuration trusting exactly the certificates in the PEM file at `path`.
-fn tls_config(path: &std::path::Path) -> Result<pgfence::rustls::ClientConfig, Exit> {
-    use pgfence::rustls::pki_types::{CertificateDer, pem::PemObject};
-    let bad = |reason: String| Exit::usage(format!("--tls-root-cert {}: {reason}", path.display()));
+/// The TLS client configuration of `--tls-root-cert` (trusting exactly the certificates in
+/// that PEM file) and, if given, `--tls-cert` and `--tls-key`; `None` without `--tls-root-cert`.
+fn tls_config(cli: &Cli) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
+    use pgfence::rustls::pki_types::{PrivateKeyDer, pem::PemObject};
+    let Some(root_path) = &cli.tls_root_cert else { return Ok(None) };
     let mut roots = pgfence::rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(path).map_err(|e| bad(e.to_string()))? {
-        roots.add(cert.map_err(|e| bad(e.to_string()))?).map_err(|e| bad(e.to_string()))?;
+    for cert in pem_certs("--tls-root-cert", root_path)? {
+        roots.add(cert).map_err(|e| bad_file("--tls-root-cert", root_path, e))?;
     }
-    if roots.is_empty() {
-        return Err(bad("no certificate in it".to_owned()));
+    let (Some(cert_path), Some(key_path)) = (&cli.tls_cert, &cli.tls_key) else {
+        return Ok(Some(pgfence::tls_client_config(roots)));
+    };
+    let chain = pem_certs("--tls-cert", cert_path)?;
+    let key =
+        PrivateKeyDer::from_pem_file(key_path).map_err(|e| bad_file("--tls-key", key_path, e))?;
+    Ok(Some(pgfence::tls_client_config_with_cert(roots, chain, key)?))
+}
+
+/// The certificates in the PEM file `path` given as `option`; at least one.
+fn pem_certs(
+    option: &str,
+    path: &std::path::Path,
+) -> Result<Vec<pgfence::rustls::pki_types::CertificateDer<'static>>, Exit> {
+    use pgfence::rustls::pki_types::{CertificateDer, pem::PemObject};
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| bad_file(option, path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad_file(option, path, e))?;
+    if certs.is_empty() {
+        return Err(bad_file(option, path, "no certificate in it"));
     }
-    Ok(pgfence::tls_client_config(roots))
+    Ok(certs)
+}
+
+fn bad_file(option: &str, path: &std::path::Path, reason: impl std::fmt::Display) -> Exit {
+    Exit::usage(format!("{option} {}: {reason}", path.display()))
 }
 
 async fn run(cli: Cli) -> Result<(), Exit> {
@@ -290,8 +336,8 @@ async fn run(cli: Cli) -> Result<(), Exit> {
     };
     // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
     let mut builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
-    if let Some(path) = &cli.tls_root_cert {
-        builder = builder.tls(tls_config(path)?);
+    if let Some(tls) = tls_config(&cli)? {
+        builder = builder.tls(tls);
     }
     match cli.command {
         Command::Status { json } => status(builder, json).await,
