@@ -111,7 +111,6 @@ pub(crate) async fn setup_and_acquire(
 
     let owner_id = Uuid::new_v4();
     let ttl_ms = ttl.as_millis() as i64;
-    let started = crate::lease::clock();
     let rows = tx
         .query(&statements.acquire, &[&owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app])
         .await
@@ -132,6 +131,14 @@ pub(crate) async fn setup_and_acquire(
         });
     };
     let epoch: i64 = row.get(0);
+    // The acquisition may have waited at the fence for the old owner's writes: count the TTL,
+    // and the local deadline, from after that wait (from before this statement: the local
+    // deadline must not come after the database's expiry).
+    let started = crate::lease::clock();
+    // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
+    tx.query_one(&statements.restart_expiry, &[&owner_id, &ttl_ms])
+        .await
+        .map_err(Error::db("acquire lease"))?;
     tx.commit().await.map_err(Error::db("commit setup"))?;
     Ok(Acquired { owner_id, epoch, started })
 }

@@ -47,7 +47,9 @@ pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES 
 /// transaction ended.) Changing `owner_id` (a key column) takes a FOR UPDATE row lock, so the
 /// update waits for every in-flight mutation of the previous owner (FOR KEY SHARE) to commit:
 /// the fence. After that wait PostgreSQL re-checks the WHERE against the latest row version,
-/// and the SET computes the new expiry then.
+/// but keeps the new row it computed before the wait (a lock alone does not change the row):
+/// the expiry is then short by the wait, already past if the wait was longer than the TTL.
+/// [`RESTART_EXPIRY`] follows in the same transaction.
 pub(crate) const ACQUIRE: &str = r#"
 WITH created AS (
     INSERT INTO {lease}
@@ -69,6 +71,16 @@ WITH created AS (
     RETURNING epoch
 )
 SELECT epoch FROM created UNION ALL SELECT epoch FROM taken"#;
+
+/// Right after [`ACQUIRE`], in its transaction: counts the new lease's TTL (and its
+/// acquisition time) from now, after any wait at the fence. The row is ours and locked by the
+/// uncommitted acquisition, so this never waits, and no one else can have seen the short expiry.
+pub(crate) const RESTART_EXPIRY: &str = r#"
+UPDATE {lease}
+   SET expires_at  = clock_timestamp() + $2::bigint * interval '1 millisecond',
+       acquired_at = clock_timestamp()
+ WHERE id = 1 AND owner_id = $1
+RETURNING epoch"#;
 
 /// Who holds the lease and for how long still (milliseconds, by the database clock; negative
 /// when expired). No row: the lease was never taken.
@@ -283,6 +295,7 @@ pub(crate) struct Statements {
     pub(crate) schema_version: String,
     pub(crate) record_version: String,
     pub(crate) acquire: String,
+    pub(crate) restart_expiry: String,
     pub(crate) holder: String,
     pub(crate) renew: String,
     pub(crate) release: String,
@@ -305,6 +318,7 @@ impl Statements {
             schema_version: s(SCHEMA_VERSION),
             record_version: s(RECORD_VERSION),
             acquire: s(ACQUIRE),
+            restart_expiry: s(RESTART_EXPIRY),
             holder: s(HOLDER),
             renew: s(RENEW),
             release: s(RELEASE),

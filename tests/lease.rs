@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use common::{
     HANG_GUARD, admin, builder, lease_row, lease_table, server, steal_lease, table, table_exists,
@@ -487,6 +487,47 @@ async fn in_flight_write_fences_the_takeover() {
     // The old store is now fenced; the new one writes under epoch 2.
     assert!(store.write("f", "s", "k", b"late".to_vec()).await.unwrap_err().is_lease_lost());
     second.write("f", "s", "k", b"new".to_vec()).await.unwrap();
+    second.close().await.unwrap();
+}
+
+/// A takeover that waited at the fence gets a whole TTL counted from after the wait, in the
+/// database and locally: its expiry is at least one TTL after the moment the old owner's write
+/// could go on, and it keeps its lease by renewal although the wait (3 s) ate most of its local
+/// deadline (4 s) counted from before the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeover_after_a_wait_at_the_fence_gets_a_whole_ttl() {
+    const TTL: Duration = Duration::from_secs(6); // local deadline 4 s, renewal every 2 s
+    const WAIT: Duration = Duration::from_secs(3);
+    let t = table("fence_wait");
+    let store = builder(&t).lease_ttl(TTL).open().await.unwrap();
+    store.write("f", "s", "k", b"old".to_vec()).await.unwrap();
+    let mut blocker = admin().await;
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
+    let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let db = admin().await;
+    let expire =
+        format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t));
+    db.execute(&expire, &[]).await.unwrap();
+    let contender = tokio::spawn(builder(&t).lease_ttl(TTL).open());
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
+
+    tokio::time::sleep(WAIT).await;
+    let let_go: SystemTime = tx.query_one("SELECT clock_timestamp()", &[]).await.unwrap().get(0);
+    tx.commit().await.unwrap();
+    within("in-flight write", write).await.unwrap().expect("the fenced write commits");
+    let second = within("contender", contender).await.unwrap().expect("then the takeover");
+    let sql = format!("SELECT expires_at FROM {} WHERE id = 1", lease_table(&t));
+    let expires_at: SystemTime = db.query_one(&sql, &[]).await.unwrap().get(0);
+    assert!(
+        expires_at >= let_go + TTL,
+        "the expiry was counted from before the wait: {:?} short of a whole TTL",
+        (let_go + TTL).duration_since(expires_at).unwrap_or_default()
+    );
+    // Past the first renewal and past the local deadline counted from before the wait.
+    tokio::time::sleep(TTL / 3 + Duration::from_millis(500)).await;
+    second.write("f", "s", "k", b"new".to_vec()).await.expect("the new holder keeps its lease");
+    assert_eq!(*second.lease_state().borrow(), LeaseState::Held { epoch: 2 });
     second.close().await.unwrap();
 }
 
