@@ -143,9 +143,10 @@ pub enum LossReason {
     /// database-side expiry.
     DeadlinePassed,
     /// A write's statement may still commit and its outcome cannot be learned: its connection
-    /// broke and the server session running it could not be confirmed ended, or the task
-    /// running it was dropped mid-statement (its runtime shut down). The store stops rather
-    /// than risk that write landing after a later call of the same key.
+    /// broke and the server session running it could not be confirmed ended, or its retries
+    /// ended in an error (so it may have committed, or not), or the task running it was
+    /// dropped mid-statement (its runtime shut down). The store stops rather than risk that
+    /// write landing after a later call of the same key, or an earlier call overwriting it.
     WriteOutcomeUnknown,
 }
 

@@ -545,6 +545,11 @@ impl Inner {
     /// decided, and the retry (which writes the same value, under the same key turns) lands
     /// after it. If that cannot be confirmed, the store fails closed rather than risk a later
     /// call being overwritten.
+    ///
+    /// A mutation that ends in an error after such an attempt may have committed all the same.
+    /// Its callers' turns would then be released as not applied, and an earlier call of the
+    /// same key could run and overwrite the committed value; so the store fails closed
+    /// (`WriteOutcomeUnknown`) instead of returning that error.
     async fn run(
         &self,
         operation: &'static str,
@@ -558,6 +563,8 @@ impl Inner {
         }
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
+        // Whether an attempt of this mutation broke after it was sent: it may have committed.
+        let mut maybe_committed = false;
         loop {
             self.lease.check()?;
             let mut sent_to: Option<Backend> = None;
@@ -573,6 +580,7 @@ impl Inner {
             let result = attempt.await;
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
+                    maybe_committed = true;
                     self.await_backend_gone(backend).await
                 }
                 _ => Ok(()),
@@ -588,6 +596,11 @@ impl Inner {
                     tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh connection");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(e) if maybe_committed => {
+                    tracing::error!(operation, error = %e,
+                        "pgfence mutation failed after an attempt that may have committed");
+                    return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
                 }
                 result => return result,
             }

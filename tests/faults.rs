@@ -1,6 +1,7 @@
 //! Transient faults: killed backends and a restarted server. The store recovers without losing
-//! its lease, and no acknowledged write is lost or reordered. And a statement timeout, which
-//! bounds a blocked operation without costing the lease.
+//! its lease, and no acknowledged write is lost or reordered. A statement timeout, which
+//! bounds a blocked operation without costing the lease. And retries that end in an error
+//! after a write may have committed, where the store fails closed.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{admin, builder, table, within};
-use pgfence::{LeaseState, PgKvStore};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore};
 
 /// Writers that each write an increasing counter to their own key until stopped; returns the
 /// last acknowledged counter per key. Any error fails the test.
@@ -155,4 +156,78 @@ async fn statement_timeout_in_the_options_bounds_a_blocked_write() {
     store.write("ns", "sub", "k", b"after".to_vec()).await.unwrap();
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
+}
+
+/// Every attempt of a write commits on the server and then loses its connection before the
+/// reply (the server waits for a synchronous standby that does not exist, and that wait is
+/// ended by terminating the session: PostgreSQL has committed locally by then), until the
+/// store's retries are spent. The write's outcome is then unknown, and in fact committed; an
+/// earlier call of the same key, still waiting for its turn, must not overwrite it. The store
+/// fails closed (`WriteOutcomeUnknown`) for both calls, and the later call's value stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_ending_in_an_error_after_a_possible_commit_fail_closed() {
+    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let store = PgKvStore::builder_from_config(cluster.config())
+        .table("kv")
+        .pool_size(4)
+        .lease_ttl(Duration::from_secs(6))
+        .open()
+        .await
+        .unwrap();
+    store.write("o", "s", "k", b"initial".to_vec()).await.unwrap();
+    let earlier = store.write("o", "s", "k", b"earlier call".to_vec()); // Not polled yet.
+    let later = store.write("o", "s", "k", b"later call".to_vec());
+
+    // From now on every commit of a session with synchronous_commit on (the writes'; renewal's
+    // session commits asynchronously) waits for the absent standby.
+    let db = cluster.connect().await.unwrap();
+    set_synchronous_standby_names(&cluster, "nobody").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let ending = {
+        let (stop, db) = (Arc::clone(&stop), cluster.connect().await.unwrap());
+        let sql =
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'";
+        tokio::spawn(async move {
+            let mut ended = 0;
+            while !stop.load(Ordering::Relaxed) {
+                ended += db.query(sql, &[]).await.unwrap().len();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            ended
+        })
+    };
+    let e = within("the later call", later).await.unwrap_err();
+    stop.store(true, Ordering::Relaxed);
+    let ended = ending.await.unwrap();
+    assert!(ended >= 2, "a first attempt and at least one retry committed locally: {ended}");
+    let unknown = LossReason::WriteOutcomeUnknown;
+    assert!(matches!(&e, Error::LeaseLost { reason, .. } if *reason == unknown), "{e:?}");
+    set_synchronous_standby_names(&cluster, "").await;
+
+    let e = within("the earlier call", earlier).await.unwrap_err();
+    assert!(e.is_lease_lost(), "{e:?}");
+    let value: Vec<u8> =
+        db.query_one("SELECT value FROM kv WHERE key = 'k'", &[]).await.unwrap().get(0);
+    assert_eq!(value, b"later call", "the later call's committed value stays");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
+}
+
+/// Sets `synchronous_standby_names` and returns once the server has reloaded it: a new session
+/// sees it, so every existing one has been signalled and applies it before its next statement.
+async fn set_synchronous_standby_names(cluster: &pgfence::testing::TestCluster, names: &str) {
+    let db = cluster.connect().await.unwrap();
+    let set = format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
+    db.batch_execute(&set).await.unwrap();
+    db.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    within("the reload", async {
+        loop {
+            let fresh = cluster.connect().await.unwrap();
+            let shown = fresh.query_one("SHOW synchronous_standby_names", &[]).await.unwrap();
+            if shown.get::<_, String>(0) == names {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
 }
