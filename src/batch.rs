@@ -12,6 +12,12 @@ use crate::keys::check_key;
 use crate::ordering::Ticket;
 use crate::store::{Inner, Mutation, PgKvStore, detached};
 
+/// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values:
+/// 512 MiB. A batch is one statement, and PostgreSQL refuses a protocol message (and an array
+/// of values) of 1 GiB or more by closing the connection; this keeps every batch well below
+/// that, with a typed error ([`Error::BatchTooLarge`]) before any SQL instead.
+pub const MAX_BATCH_BYTES: usize = 512 << 20;
+
 /// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
 /// [`Batch::commit`].
 ///
@@ -20,8 +26,9 @@ use crate::store::{Inner, Mutation, PgKvStore, detached};
 /// - **All or nothing.** Every operation is applied in one SQL statement under one fence check
 ///   (the same `FOR KEY SHARE` check on the lease row as a single `write`): either every change
 ///   commits under this store's lease, or none does.
-/// - **Validation first.** Every key and value is checked as it is added; if any is invalid,
-///   `commit` returns that (first) error and runs no SQL: nothing is written.
+/// - **Validation first.** Every key and value is checked as it is added, and the batch's
+///   size against [`MAX_BATCH_BYTES`] at `commit`; if any is invalid, `commit` returns that
+///   (first) error and runs no SQL: nothing is written.
 /// - **Per-key order with single operations.** `commit()` takes every key's place in the
 ///   per-key order when it is *called*, like [`PgKvStore::write`]. An operation of the batch
 ///   whose key was already changed by a *later* call (a `write`, `remove` or another batch
@@ -125,7 +132,7 @@ impl Batch {
         );
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
         // the moment `commit` was called, whatever happens to the future afterwards.
-        let entries: Result<Vec<Entry>> = match invalid {
+        let entries: Result<Vec<Entry>> = match invalid.or_else(|| too_large(&ops)) {
             Some(e) => Err(e),
             None => Ok(ops
                 .into_iter()
@@ -138,6 +145,22 @@ impl Batch {
         let abandoned = inner.abandoned();
         detached(async move { apply(&inner, entries?).await }.instrument(span), abandoned)
     }
+}
+
+/// [`Error::BatchTooLarge`] if the operations' keys and values add up to more than
+/// [`MAX_BATCH_BYTES`].
+fn too_large(ops: &BTreeMap<(String, String, String), Mutation>) -> Option<Error> {
+    let len: usize = ops
+        .iter()
+        .map(|((primary, secondary, key), op)| {
+            let value = match op {
+                Mutation::Write(value) => value.len(),
+                Mutation::Remove => 0,
+            };
+            primary.len() + secondary.len() + key.len() + value
+        })
+        .sum();
+    (len > MAX_BATCH_BYTES).then_some(Error::BatchTooLarge { len, max: MAX_BATCH_BYTES })
 }
 
 /// Takes the key turns, then runs the one fenced statement.

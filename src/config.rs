@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio_postgres::config::{Host, SslMode};
 
+use crate::batch::MAX_BATCH_BYTES;
 use crate::connect::Tls;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
@@ -167,7 +168,8 @@ impl Builder {
     }
 
     /// Largest value accepted by `write` (default 64 MiB); larger ones get
-    /// [`Error::ValueTooLarge`] before any statement runs. At most 1 GiB (PostgreSQL's limit).
+    /// [`Error::ValueTooLarge`] before any statement runs. At most [`crate::MAX_BATCH_BYTES`]
+    /// (512 MiB), well below PostgreSQL's 1 GiB limit on a protocol message and on a value.
     pub fn max_value_size(mut self, bytes: usize) -> Self {
         self.max_value_size = bytes;
         self
@@ -291,13 +293,16 @@ impl Builder {
         if self.pool_size == 0 {
             return Err(Error::config("pool_size", "must be at least 1"));
         }
-        if self.write_concurrency == 0 {
-            return Err(Error::config("write_concurrency", "must be at least 1"));
+        if self.write_concurrency == 0 || self.write_concurrency > 10_000 {
+            return Err(Error::config("write_concurrency", "must be between 1 and 10000"));
         }
-        if self.max_value_size > 1 << 30 {
+        if self.max_value_size > MAX_BATCH_BYTES {
             return Err(Error::config(
                 "max_value_size",
-                "PostgreSQL stores at most 1 GiB per value",
+                format!(
+                    "at most {MAX_BATCH_BYTES} bytes (512 MiB): a statement must stay well below \
+                     PostgreSQL's 1 GiB limit on a message and on a value"
+                ),
             ));
         }
         if self.page_size == 0 || self.page_size > 100_000 {

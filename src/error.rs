@@ -76,6 +76,16 @@ pub enum Error {
         max: usize,
     },
 
+    /// A batch's keys and values add up to more than [`crate::MAX_BATCH_BYTES`]; nothing was
+    /// written.
+    #[error("batch of {len} bytes (keys and values) exceeds the maximum of {max} bytes")]
+    BatchTooLarge {
+        /// The batch's size: the bytes of its keys, namespaces and values.
+        len: usize,
+        /// [`crate::MAX_BATCH_BYTES`].
+        max: usize,
+    },
+
     /// The database was migrated by a newer version of this library; it is refused unchanged.
     #[error("schema of {table} is at version {found}, newer than this library's {supported}")]
     SchemaTooNew {
@@ -268,7 +278,8 @@ impl From<Error> for std::io::Error {
             Error::LeaseLost { .. } => ErrorKind::PermissionDenied,
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
-            | Error::ValueTooLarge { .. } => ErrorKind::InvalidInput,
+            | Error::ValueTooLarge { .. }
+            | Error::BatchTooLarge { .. } => ErrorKind::InvalidInput,
             Error::Closed => ErrorKind::NotConnected,
             Error::Timeout { .. } => ErrorKind::TimedOut,
             Error::SchemaTooNew { .. }
@@ -313,6 +324,7 @@ mod tests {
             ),
             (Error::config("table", "bad"), ErrorKind::InvalidInput),
             (Error::ValueTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
+            (Error::BatchTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
             (Error::Closed, ErrorKind::NotConnected),
             (
                 Error::Timeout { operation: "close", after: Duration::from_secs(1) },

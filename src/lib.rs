@@ -21,7 +21,7 @@ pub mod ldk;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use batch::Batch;
+pub use batch::{Batch, MAX_BATCH_BYTES};
 pub use config::{Builder, LeaseLossPolicy};
 pub use connect::{tls_client_config, tls_client_config_with_cert};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.

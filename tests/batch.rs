@@ -119,6 +119,34 @@ async fn invalid_operation_writes_nothing() {
     store.close().await.unwrap();
 }
 
+/// Every value within `max_value_size`, but together more than one statement may carry
+/// (`MAX_BATCH_BYTES`, counting keys and namespaces too): a typed error before any SQL, nothing
+/// written, and the store goes on. (Zeroed allocations: their pages are never touched.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_larger_than_one_statement_may_carry_writes_nothing() {
+    let table = common::table("batch_huge");
+    let store = common::open(&table).await;
+    store.write(NS, SUB, "keep", b"before".to_vec()).await.unwrap();
+    let mut batch = store.batch().remove(NS, SUB, "keep");
+    let value_len = pgfence::MAX_BATCH_BYTES / 16 + 1;
+    for i in 0..16 {
+        batch = batch.put(NS, SUB, &format!("v{i:02}"), vec![0; value_len]);
+    }
+    let e = batch.commit().await.unwrap_err();
+    let names = NS.len() + SUB.len();
+    let expected = 16 * (names + 3 + value_len) + names + "keep".len();
+    match e {
+        Error::BatchTooLarge { len, max } => {
+            assert_eq!((len, max), (expected, pgfence::MAX_BATCH_BYTES));
+        }
+        other => panic!("expected BatchTooLarge, got {other:?}"),
+    }
+    let expected = BTreeMap::from([("keep".to_owned(), b"before".to_vec())]);
+    assert_eq!(rows(&table).await, expected);
+    store.batch().put(NS, SUB, "a", b"a".to_vec()).commit().await.unwrap();
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stolen_lease_writes_nothing_and_fails_closed() {
     let table = common::table("batch_fenced");

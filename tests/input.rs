@@ -65,7 +65,9 @@ async fn inconsistent_timings_and_sizes_are_rejected() {
         (builder(&t).local_deadline(Duration::from_secs(20)), "local_deadline"),
         (builder(&t).pool_size(0), "pool_size"),
         (builder(&t).page_size(0), "page_size"),
-        (builder(&t).max_value_size(2 << 30), "max_value_size"),
+        (builder(&t).max_value_size(pgfence::MAX_BATCH_BYTES + 1), "max_value_size"),
+        (builder(&t).write_concurrency(0), "write_concurrency"),
+        (builder(&t).write_concurrency(usize::MAX), "write_concurrency"),
         (PgKvStore::builder("postgres://u@h:notaport/db"), "connection string"),
     ];
     for (b, field) in cases {

@@ -202,7 +202,8 @@ impl From<Error> for Exit {
             Error::LeaseLost { .. } => 5,
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
-            | Error::ValueTooLarge { .. } => 2,
+            | Error::ValueTooLarge { .. }
+            | Error::BatchTooLarge { .. } => 2,
             _ => 1,
         };
         Exit { code, message: chain(&e) }
