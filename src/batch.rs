@@ -10,7 +10,7 @@ use tracing::Instrument;
 use crate::error::{Error, KeyPath, Result};
 use crate::keys::check_key;
 use crate::ordering::Ticket;
-use crate::store::{Inner, Mutation, PgKvStore, detached};
+use crate::store::{Inner, Mutation, PgKvStore, admitted};
 
 /// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values:
 /// 512 MiB. A batch is one statement, and PostgreSQL refuses a protocol message (and an array
@@ -142,8 +142,11 @@ impl Batch {
                 })
                 .collect()),
         };
-        let abandoned = inner.abandoned();
-        detached(async move { apply(&inner, entries?).await }.instrument(span), abandoned)
+        async move {
+            let entries = entries?;
+            let work = |inner: Arc<Inner>| async move { apply(&inner, entries).await };
+            admitted(inner, |inner| work(inner).instrument(span)).await
+        }
     }
 }
 
@@ -180,8 +183,8 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
         ops.push((entry.ticket.path(), &entry.op));
     }
     if turns.is_empty() {
-        // Nothing to write, but an operation of a closed or fenced store still fails.
-        return inner.check_usable();
+        // Nothing to write, but an operation of a fenced store still fails.
+        return inner.lease.check();
     }
     apply_fenced(inner, ops).await?;
     for turn in turns {

@@ -108,9 +108,10 @@ impl Inner {
         if let Ok(_permit) = self.coalescer.statements.try_acquire() {
             return self.apply_alone(path, &mutation).await;
         }
-        // A closed store, or one that has lost its lease, fails at once instead of queueing
-        // behind statements that may take a while (they fail too, at their own check).
-        self.check_usable()?;
+        // A store that has lost its lease fails at once instead of queueing behind statements
+        // that may take a while (they fail too, at their own check). (Closing does not fail
+        // it: this operation was admitted before, and close() waits for it.)
+        self.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
         let waiting = Waiting { inner: self, path };

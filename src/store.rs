@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Pool, PoolError, Runtime};
-use tokio::sync::{RwLock, watch};
+use tokio::sync::{OwnedRwLockReadGuard, RwLock, watch};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -68,10 +68,9 @@ pub(crate) struct Inner {
     pub(crate) lease: Arc<Lease>,
     pub(crate) order: Arc<KeyOrder>,
     pub(crate) closed: AtomicBool,
-    /// Every operation holds a read guard while it runs; `close()` takes the write guard to
-    /// wait for them. tokio's RwLock is fair, so operations that start after `close()` queue
-    /// behind it and then see `closed`.
-    pub(crate) gate: RwLock<()>,
+    /// Every operation holds a read guard while it runs ([`Inner::admit`]); `close()` takes the
+    /// write guard to wait for them.
+    pub(crate) gate: Arc<RwLock<()>>,
     pub(crate) keeper: tokio::sync::Mutex<Option<Keeper>>,
     pub(crate) max_value_size: usize,
     pub(crate) page_size: usize,
@@ -217,11 +216,13 @@ impl PgKvStore {
             .and_then(|()| inner.check_value(&value))
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("write", primary_namespace, secondary_namespace, key);
-        let abandoned = inner.abandoned();
-        detached(
-            async move { inner.mutate(prepared?, Mutation::Write(value)).await }.instrument(span),
-            abandoned,
-        )
+        async move {
+            let ticket = prepared?;
+            let work = |inner: Arc<Inner>| async move {
+                inner.mutate(ticket, Mutation::Write(value)).await
+            };
+            admitted(inner, |inner| work(inner).instrument(span)).await
+        }
     }
 
     /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
@@ -239,11 +240,12 @@ impl PgKvStore {
         let prepared = check_key(primary_namespace, secondary_namespace, key)
             .map(|()| inner.ticket(primary_namespace, secondary_namespace, key));
         let span = inner.span("remove", primary_namespace, secondary_namespace, key);
-        let abandoned = inner.abandoned();
-        detached(
-            async move { inner.mutate(prepared?, Mutation::Remove).await }.instrument(span),
-            abandoned,
-        )
+        async move {
+            let ticket = prepared?;
+            let work =
+                |inner: Arc<Inner>| async move { inner.mutate(ticket, Mutation::Remove).await };
+            admitted(inner, |inner| work(inner).instrument(span)).await
+        }
     }
 
     /// Lists the keys of a namespace pair, in byte order; empty for an unknown namespace.
@@ -350,8 +352,11 @@ impl PgKvStore {
     }
 
     /// Closes the store: new operations get [`Error::Closed`] (including `write`/`remove`
-    /// futures created earlier but not yet polled), operations already running finish, renewal stops and the lease is released by owner id (expired now; the epoch
-    /// counter is kept), so another store can open at once. Returns the release's result.
+    /// futures created earlier but not yet polled); operations already running finish
+    /// (including mutations still waiting for their key's turn or for a shared statement),
+    /// waiting at most `drop_timeout` for them; renewal stops and the lease is released by
+    /// owner id (expired now; the epoch counter is kept), so another store can open at once.
+    /// Returns the release's result, or [`Error::Timeout`] if operations were still running.
     /// Closing again returns `Ok`.
     pub async fn close(&self) -> Result<()> {
         let inner = &self.inner;
@@ -447,15 +452,6 @@ impl Inner {
         move || lease.check().err().unwrap_or(Error::Closed)
     }
 
-    /// `Closed` if the store was closed, else the lease's state: the check every operation makes
-    /// before any SQL.
-    pub(crate) fn check_usable(&self) -> Result<()> {
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(Error::Closed);
-        }
-        self.lease.check()
-    }
-
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
         if value.len() > self.max_value_size {
             return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
@@ -479,6 +475,19 @@ impl Inner {
             key,
             epoch = self.lease.epoch,
         )
+    }
+
+    /// Admits an operation, at once (never waiting): [`Error::Closed`] once `close()` has
+    /// begun; otherwise the guard, held until the operation ends, makes `close()` wait for it.
+    /// A mutation is admitted when its future is first polled, before it waits for its key's
+    /// turn or a shared statement.
+    pub(crate) fn admit(&self) -> Result<OwnedRwLockReadGuard<()>> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        // Only close() takes the write lock (setting `closed` first), and while it waits for
+        // it no read lock is granted: a failure here means the store is closing.
+        Arc::clone(&self.gate).try_read_owned().map_err(|_| Error::Closed)
     }
 
     /// Runs one fenced mutation in its key's turn (see [`crate::coalesce`]).
@@ -528,12 +537,14 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
+        let _running = self.admit()?;
         self.run(operation, sql, params, false).await
     }
 
-    /// Runs a prepared statement (prepared once per pooled connection) and returns its rows.
+    /// Runs a prepared statement (prepared once per pooled connection) and returns its rows,
+    /// for an operation already admitted ([`Inner::admit`]).
     ///
-    /// Fails fast with `Closed` or `LeaseLost` before touching the database. A broken
+    /// Fails fast with `LeaseLost` before touching the database. A broken
     /// connection or an unavailable server is retried on a fresh connection, with backoff,
     /// while the lease is locally valid and for at most `retry_for`.
     ///
@@ -557,10 +568,6 @@ impl Inner {
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
-        let _running = self.gate.read().await;
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(Error::Closed);
-        }
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
         // Whether an attempt of this mutation broke after it was sent: it may have committed.
@@ -710,6 +717,29 @@ pub(crate) fn value_or_not_found(
 pub(crate) struct Backend {
     pid: i32,
     started: SystemTime,
+}
+
+/// Runs a mutation admitted when its future is first polled ([`Inner::admit`]) in a task of
+/// its own ([`detached`]), holding its admission until it ends, so `close()` waits for it.
+pub(crate) async fn admitted<T, F>(
+    inner: Arc<Inner>,
+    work: impl FnOnce(Arc<Inner>) -> F,
+) -> Result<T>
+where
+    T: Send + 'static,
+    F: Future<Output = Result<T>> + Send + 'static,
+{
+    let running = inner.admit()?;
+    let abandoned = inner.abandoned();
+    let work = work(inner);
+    detached(
+        async move {
+            let _running = running;
+            work.await
+        },
+        abandoned,
+    )
+    .await
 }
 
 /// Runs work as a task of its own and waits for it. Dropping the caller's future then cannot
@@ -889,7 +919,7 @@ impl Builder {
                 lease,
                 order: Arc::new(KeyOrder::default()),
                 closed: AtomicBool::new(false),
-                gate: RwLock::new(()),
+                gate: Arc::new(RwLock::new(())),
                 keeper: tokio::sync::Mutex::new(Some(keeper)),
                 max_value_size: self.max_value_size,
                 page_size: self.page_size,

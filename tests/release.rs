@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use common::{admin, builder, lease_row, steal_lease, table, within};
@@ -58,34 +60,48 @@ async fn close_releases_and_later_calls_get_closed() {
     b.close().await.unwrap();
 }
 
-/// `close()` lets an operation that is already running finish (within `drop_timeout`, 5 s by
-/// default), and then releases and returns `Ok`.
+/// `close()` lets the operations that have started finish (within `drop_timeout`, 5 s by
+/// default): a write whose statement is running, a write of another key queued for a shared
+/// statement (one statement at a time here), and a later write of the same key waiting for its
+/// turn. An operation first polled after `close()` began gets `Closed` at once. Then `close()`
+/// releases and returns `Ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn close_waits_for_a_running_write_then_releases() {
+async fn close_waits_for_started_operations_then_releases() {
     let t = table("closewait");
-    let store = long_lease(&t).open().await.unwrap();
+    let store = long_lease(&t).write_concurrency(1).open().await.unwrap();
     store.write("c", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
     let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let write = tokio::spawn(store.write("c", "s", "k", b"running".to_vec()));
+    let running = tokio::spawn(store.write("c", "s", "k", b"running".to_vec()));
     common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
-    let closing = tokio::spawn({
-        let store = store.clone();
-        async move { store.close().await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!closing.is_finished(), "close waits for the running write");
+    // Polled once each: started (admitted), then waiting.
+    let mut queued = Box::pin(store.write("c", "s", "k2", b"queued".to_vec()));
+    let mut same_key = Box::pin(store.write("c", "s", "k", b"same key, later".to_vec()));
+    assert!(
+        poll_once(&mut queued).await.is_pending() && poll_once(&mut same_key).await.is_pending()
+    );
+    let (queued, same_key) = (tokio::spawn(queued), tokio::spawn(same_key));
+
+    let mut closing = Box::pin(store.close());
+    assert!(poll_once(&mut closing).await.is_pending(), "close waits for the running writes");
+    let late = store.write("c", "s", "k3", b"late".to_vec());
+    assert!(matches!(within("late write", late).await, Err(Error::Closed)));
     tx.rollback().await.unwrap();
-    within("running write", write).await.unwrap().expect("the running write commits");
-    within("close", closing).await.unwrap().expect("then close releases and returns Ok");
+    within("running write", running).await.unwrap().expect("the running write commits");
+    within("queued write", queued).await.unwrap().expect("the queued write commits");
+    within("same-key write", same_key).await.unwrap().expect("the later same-key write commits");
+    within("close", closing).await.expect("then close releases and returns Ok");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Released { epoch: 1 });
-    let value: Vec<u8> = admin()
-        .await
-        .query_one(&format!("SELECT value FROM \"{t}\" WHERE key = 'k'"), &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(value, b"running");
+    let rows = common::all_rows(&t).await;
+    let expected = [("k", &b"same key, later"[..]), ("k2", &b"queued"[..])];
+    let expected: Vec<(String, Vec<u8>)> =
+        expected.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect();
+    assert_eq!(rows, expected);
+}
+
+/// Polls `fut` once.
+async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *fut).poll(cx))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
