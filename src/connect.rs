@@ -10,7 +10,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_postgres::{AsyncMessage, Client, Config, Connection, NoTls};
+use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{Error, Result};
@@ -57,6 +57,18 @@ impl Tls {
                 (client, drive(connection, what, notifications))
             }
         })
+    }
+}
+
+impl Tls {
+    /// Asks the server to cancel the statement running on the connection of `token`, over a
+    /// connection made like the others (a store on a pool, whose connector is unknown here,
+    /// asks without TLS).
+    pub(crate) async fn cancel(&self, token: &CancelToken) -> Result<(), tokio_postgres::Error> {
+        match &self.0 {
+            Some(tls) => token.cancel_query(tls.clone()).await,
+            None => token.cancel_query(NoTls).await,
+        }
     }
 }
 

@@ -83,7 +83,9 @@ impl Builder {
 }
 
 impl Standby {
-    /// Gives up with [`Error::Timeout`] if the lease could not be taken within `timeout`.
+    /// Gives up with [`Error::Timeout`] if the lease could not be taken within `timeout`. An
+    /// attempt still in progress then is cancelled and never takes the lease later (see
+    /// [`Builder::open`]).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self

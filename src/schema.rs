@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use tokio::sync::oneshot;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
@@ -41,14 +42,62 @@ pub(crate) struct Holder {
 /// lock that would stall the holder: only the store that is about to own the table migrates
 /// it. Then the schema is created or migrated and the lease taken. If anything fails, the
 /// transaction rolls back: schema changes included.
+///
+/// `caller` is closed when the caller of `open()` is gone (its future dropped, or a standby's
+/// timeout): then the statement running (waiting for the setup lock, say, or at the fence) is
+/// cancelled and nothing is committed, so an abandoned attempt never takes the lease later.
+/// Once the commit is sent it runs to its end: the store is then built and dropped, which
+/// releases the lease.
 pub(crate) async fn setup_and_acquire(
     client: &mut tokio_postgres::Client,
+    tls: &Tls,
+    caller: &mut oneshot::Receiver<()>,
     table: &TableName,
     statements: &Statements,
     ttl: Duration,
     holder: &Holder,
 ) -> Result<Acquired> {
+    let cancel = client.cancel_token();
     let tx = client.transaction().await.map_err(Error::db("begin setup"))?;
+    let prepared = tokio::select! {
+        biased;
+        _ = &mut *caller => None,
+        prepared = prepare(&tx, table, statements, ttl, holder) => Some(prepared),
+    };
+    let acquired = match prepared {
+        None => {
+            tracing::debug!(table = %table.display(), "pgfence open abandoned; cancelling setup");
+            if let Err(e) = tls.cancel(&cancel).await {
+                // The connection closes with the pool anyway, which rolls back once the server
+                // notices; nothing is committed either way.
+                tracing::warn!(error = %e, "pgfence could not cancel an abandoned setup");
+            }
+            return Err(Error::Closed);
+        }
+        Some(Err(e)) => {
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(error = %rollback, "pgfence rollback of a failed setup failed");
+            }
+            return Err(e);
+        }
+        Some(Ok(acquired)) => acquired,
+    };
+    if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
+        tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        return Err(Error::Closed);
+    }
+    tx.commit().await.map_err(Error::db("commit setup"))?;
+    Ok(acquired)
+}
+
+/// The setup transaction's statements up to the commit (see [`setup_and_acquire`]).
+async fn prepare(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    statements: &Statements,
+    ttl: Duration,
+    holder: &Holder,
+) -> Result<Acquired> {
     let control: Option<bool> = tx
         .query_one(sql::SESSION_CONTROL, &[])
         .await
@@ -72,8 +121,7 @@ pub(crate) async fn setup_and_acquire(
         .map_err(Error::db("look for the lease table"))?
         .get(0);
     if lease_table.is_some() {
-        if let Some(info) = lease_info(&tx, statements).await?.filter(|info| info.active) {
-            tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        if let Some(info) = lease_info(tx, statements).await?.filter(|info| info.active) {
             return Err(held(table, info));
         }
     }
@@ -91,8 +139,6 @@ pub(crate) async fn setup_and_acquire(
         .map_err(Error::db("read schema version"))?
         .get(0);
     if found > latest_version() {
-        // Dropping `tx` rolls back; say it explicitly so the error is the one returned.
-        tx.rollback().await.map_err(Error::db("rollback setup"))?;
         return Err(Error::SchemaTooNew {
             table: table.display(),
             found,
@@ -118,8 +164,7 @@ pub(crate) async fn setup_and_acquire(
     let Some(row) = rows.first() else {
         // Taken in the moment since the check above (by a renewal racing an expiry, or an
         // operator): roll everything back, migrations included.
-        let info = lease_info(&tx, statements).await?;
-        tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        let info = lease_info(tx, statements).await?;
         return Err(match info {
             Some(info) => held(table, info),
             None => Error::LeaseHeld {
@@ -139,7 +184,6 @@ pub(crate) async fn setup_and_acquire(
     tx.query_one(&statements.restart_expiry, &[&owner_id, &ttl_ms])
         .await
         .map_err(Error::db("acquire lease"))?;
-    tx.commit().await.map_err(Error::db("commit setup"))?;
     Ok(Acquired { owner_id, epoch, started })
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Pool, PoolError, Runtime};
-use tokio::sync::{OwnedRwLockReadGuard, RwLock, watch};
+use tokio::sync::{OwnedRwLockReadGuard, RwLock, oneshot, watch};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -823,12 +823,24 @@ impl Builder {
     /// Checks the options, connects, creates or migrates the schema and takes the lease, all in
     /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
     /// live store holds the lease. Creates the database if it does not exist and the role may.
+    ///
+    /// Dropping the returned future cancels the setup if it is still waiting (for the setup
+    /// lock of a concurrent `open()`, or at the fence for the old holder's in-flight writes):
+    /// nothing is committed and the lease is never taken later. If the commit was already
+    /// sent, the store is opened and dropped, which releases the lease.
     pub async fn open(self) -> Result<PgKvStore> {
         let table = self.validate()?;
-        detached(self.open_here(table).instrument(tracing::Span::current()), || Error::Closed).await
+        // Dropped with this future: tells the task that nobody waits for the store any more.
+        let (_caller, gone) = oneshot::channel::<()>();
+        let opening = self.open_here(table, gone).instrument(tracing::Span::current());
+        detached(opening, || Error::Closed).await
     }
 
-    async fn open_here(self, table: TableName) -> Result<PgKvStore> {
+    async fn open_here(
+        self,
+        table: TableName,
+        mut caller: oneshot::Receiver<()>,
+    ) -> Result<PgKvStore> {
         let statements = Statements::new(&table);
         let deadline_after = self.deadline();
         let pool = self.pool()?;
@@ -859,9 +871,16 @@ impl Builder {
             pid: std::process::id() as i32,
             app: self.application_name.clone(),
         };
-        let acquired =
-            schema::setup_and_acquire(&mut client, &table, &statements, self.lease_ttl, &holder)
-                .await?;
+        let acquired = schema::setup_and_acquire(
+            &mut client,
+            &self.tls,
+            &mut caller,
+            &table,
+            &statements,
+            self.lease_ttl,
+            &holder,
+        )
+        .await?;
         tracing::info!(table = %table.display(), epoch = acquired.epoch,
             owner_id = %acquired.owner_id, "pgfence lease acquired");
 

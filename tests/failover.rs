@@ -130,6 +130,45 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     active.close().await.unwrap();
 }
 
+/// A standby whose timeout (or whose dropped future) ends an attempt in the middle of its
+/// acquisition, here waiting at the fence for the expired holder's in-flight write, leaves
+/// nothing behind: the attempt's statement is cancelled (its session goes), and it never takes
+/// the lease later, when the write has finished. The next store to open gets epoch 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_timeout_mid_acquisition_never_takes_the_lease_later() {
+    let t = table("sbfence");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    active.write("f", "s", "k", b"old".to_vec()).await.unwrap();
+    let mut blocker = admin().await;
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
+    let write = tokio::spawn(active.write("f", "s", "k", b"in-flight".to_vec()));
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let expire =
+        format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t));
+    admin().await.execute(&expire, &[]).await.unwrap();
+
+    let app = format!("sb-{t}");
+    let standby = standby_builder(&t, &app).standby().timeout(Duration::from_secs(2));
+    let attempt = tokio::spawn(standby.open());
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
+    let e = within("the standby's timeout", attempt).await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::Timeout { operation: "wait for lease", .. }), "{e:?}");
+    within("the standby's sessions gone", async {
+        while sessions_of(&app).await > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+
+    tx.commit().await.unwrap();
+    within("the in-flight write", write).await.unwrap().expect("the fenced write commits");
+    // An abandoned attempt still running would hold the setup lock and take the lease (epoch 2)
+    // as soon as the write is done; this store would then wait for it and find epoch 2 taken.
+    let next = standby_builder(&t, "next").open().await.expect("the lease is free");
+    assert_eq!(next.fencing_token(), 2);
+    next.close().await.unwrap();
+}
+
 /// With its LISTEN connection killed, the standby polls (and reconnects) and still takes over
 /// soon after a release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
