@@ -43,7 +43,9 @@ use crate::sql::{self, Statements};
 ///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
 ///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. Of the calls that read the
 ///   database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
-///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts.
+///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation whose
+///   statement had already locked the lease row when the loss came may still commit and return
+///   `Ok`; a successor's takeover waits for it.
 /// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
 ///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
 ///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
