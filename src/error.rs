@@ -219,8 +219,9 @@ impl Error {
         matches!(self, Error::NotFound(_))
     }
 
-    /// True when the same call may succeed if tried again: a broken connection, a pool that had
-    /// no connection in time, a timeout. Never true for lease loss or invalid input.
+    /// True when the same call may succeed if tried again: a broken connection, a server that
+    /// refuses connections for now (restarting, or too many connections), a pool that had no
+    /// connection in time, a timeout. Never true for lease loss or invalid input.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source, .. } => is_connection_error(source),
@@ -257,9 +258,10 @@ pub(crate) fn is_connection_error(e: &tokio_postgres::Error) -> bool {
     }
     if let Some(db) = e.as_db_error() {
         // Class 08: connection exception; 57P01..57P03: admin shutdown, crash shutdown,
-        // cannot connect now (server restarting).
+        // cannot connect now (server restarting); 53300: too many connections (refused at
+        // connection start, for the server, the database or the role: before any statement).
         let code = db.code().code();
-        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03");
+        return code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300");
     }
     // No server error attached: I/O, connect or protocol failure on our side of the socket;
     // except a TLS failure (a certificate not trusted or not for this host, no common

@@ -226,6 +226,43 @@ async fn standby_keeps_waiting_through_connection_errors() {
     store.close().await.unwrap();
 }
 
+/// A standby whose connections are refused for a while with "too many connections" (SQLSTATE
+/// 53300, here the role's connection limit) keeps waiting, and takes over once connections are
+/// accepted again and the holder releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_keeps_waiting_through_too_many_connections() {
+    let (config, superuser) = common::own_database("sbfull").await;
+    let role = config.get_user().unwrap().to_owned();
+    let t = table("sbfull");
+    let builder = || {
+        PgKvStore::builder_from_config(config.clone())
+            .table(&t)
+            .pool_size(1)
+            .lease_ttl(TTL)
+            .renew_interval(Duration::from_secs(5))
+    };
+    let active = builder().open().await.unwrap();
+    let standby = builder().standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+
+    // New connections of the role are refused; a notification wakes the standby to try.
+    superuser.batch_execute(&format!("ALTER ROLE {role} CONNECTION LIMIT 0")).await.unwrap();
+    superuser.batch_execute(&format!("NOTIFY pgfence_{t}")).await.unwrap();
+    let refused = builder().open().await.unwrap_err();
+    assert!(format!("{refused:?}").contains("53300") && refused.is_retryable(), "{refused:?}");
+    tokio::time::sleep(Duration::from_secs(3)).await; // Several attempts, every one refused.
+    assert!(!waiting.is_finished(), "the standby still waits: {:?}", *progress.borrow());
+    superuser.batch_execute(&format!("ALTER ROLE {role} CONNECTION LIMIT -1")).await.unwrap();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    assert_eq!(store.fencing_token(), 2);
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspector_reads_without_the_lease_and_force_releases() {
     let t = table("inspect");
