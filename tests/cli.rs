@@ -338,11 +338,16 @@ fn counter_row(config: &tokio_postgres::Config, table: &str, key: &str) -> (i64,
 // ---------------------------------------------------------------------------------------------
 
 /// Scenario 1: A holds; B's `hold` without `--wait` exits 3 naming A, and so does a `put`.
+/// (A runs without `--ttl`: its lease is taken for the default 30 s.)
 #[test]
 fn contention_exits_3_and_names_the_holder() {
     let (url, table) = (server().url(), unique_name("cli_contend"));
-    let a = Holder::spawn("A", &url, &table, &["--ttl", "30"]);
+    let a = Holder::spawn("A", &url, &table, &[]);
     let epoch = a.acquired().int("epoch");
+    let status = run(&url, &table, &["status", "--json"], None);
+    let status: Value = serde_json::from_slice(&status.expect(0, "status").stdout).unwrap();
+    let left = status["expires_in_ms"].as_u64().unwrap_or(0);
+    assert!(left > 15_000 && left <= 30_000, "a lease of the default 30 s: {status}");
 
     let b = run(&url, &table, &["hold"], None);
     b.expect(3, "B hold");
@@ -693,7 +698,9 @@ fn one_shot_commands_round_trip() {
     assert!(missing.stdout.is_empty() && missing.stderr.contains("not found"), "{missing:?}");
     assert_eq!(run(&url, &table, &["ls", "app", "cfg"], None).stdout(), "blob\n");
     assert_eq!(run(&url, &table, &["ls", "no", "such"], None).expect(0, "ls").stdout(), "");
-    run(&url, &table, &["release", "--force", "--yes"], None).expect(0, "release, nobody holds it");
+    let released = run(&url, &table, &["release", "--force", "--yes"], None);
+    let released = released.expect(0, "release, nobody holds it");
+    assert!(released.stdout().contains("nobody held the lease"), "{released:?}");
 }
 
 #[test]

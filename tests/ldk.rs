@@ -280,6 +280,15 @@ fn error_kinds_through_the_ldk_traits() {
         assert!(KVStoreSync::list(&store, "unknown", "ns").unwrap().is_empty());
         let page = PaginatedKVStoreSync::list_paginated(&store, "unknown", "ns", None).unwrap();
         assert!(page.keys.is_empty() && page.next_page_token.is_none());
+        // Pages of the default page size, 100: 101 keys are a full page and a page of one.
+        for i in 0..101 {
+            KVStoreSync::write(&store, "pages", "", &format!("k{i:03}"), vec![]).unwrap();
+        }
+        let first = PaginatedKVStoreSync::list_paginated(&store, "pages", "", None).unwrap();
+        assert_eq!(first.keys.len(), 100);
+        let token = first.next_page_token;
+        let rest = PaginatedKVStoreSync::list_paginated(&store, "pages", "", token).unwrap();
+        assert!(rest.keys.len() == 1 && rest.next_page_token.is_none(), "{:?}", rest.keys);
 
         // A second store on the same table: lease held, AlreadyExists.
         let e = LdkStore::open(common::builder(&table)).unwrap_err();
