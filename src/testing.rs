@@ -43,7 +43,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc as std_mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -1066,7 +1066,8 @@ pub fn unique_name(prefix: &str) -> String {
 ///
 /// Each accepted connection is forwarded to the upstream address. While it runs, a test can
 /// delay every chunk of data ([`Proxy::set_delay`]), refuse new connections
-/// ([`Proxy::set_refuse`]) or abruptly close every current connection ([`Proxy::cut_all`]).
+/// ([`Proxy::set_refuse`]), abruptly close every current connection ([`Proxy::cut_all`]) or
+/// corrupt what the server sends on one of them ([`Proxy::corrupt_next_reply`]).
 ///
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
@@ -1088,6 +1089,9 @@ struct ProxyShared {
     /// One-way delay in nanoseconds.
     delay_nanos: AtomicU64,
     refuse: AtomicBool,
+    /// The upstream-side local port of the connection whose next chunk from the server is to be
+    /// corrupted; 0 for none.
+    corrupt_port: AtomicU32,
     connections: Mutex<Connections>,
     timer: DelayTimer,
 }
@@ -1122,6 +1126,7 @@ impl Proxy {
         let shared = Arc::new(ProxyShared {
             delay_nanos: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
+            corrupt_port: AtomicU32::new(0),
             connections: Mutex::new(Connections::default()),
             timer,
         });
@@ -1167,6 +1172,13 @@ impl Proxy {
     /// contacting the upstream. Existing connections are not affected.
     pub fn set_refuse(&self, refuse: bool) {
         self.shared.refuse.store(refuse, Ordering::Relaxed);
+    }
+
+    /// Flips one bit of the next chunk of data the server sends on one connection: the one
+    /// whose server session reports `client_port` as its `pg_stat_activity.client_port` (the
+    /// proxy's side of that connection). Over TLS the client's decryption of it fails.
+    pub fn corrupt_next_reply(&self, client_port: u16) {
+        self.shared.corrupt_port.store(u32::from(client_port), Ordering::SeqCst);
     }
 
     /// The number of connections currently being forwarded.
@@ -1316,11 +1328,12 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
     let server = TcpStream::connect(upstream).await?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
+    let port = u32::from(server.local_addr()?.port());
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::try_join!(
-        pump(client_read, server_write, shared),
-        pump(server_read, client_write, shared),
+        pump(client_read, server_write, shared, None),
+        pump(server_read, client_write, shared, Some(port)),
     )?;
     Ok(())
 }
@@ -1328,11 +1341,13 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
 /// One direction of a connection. The reader stamps each chunk with its due time and queues
 /// it; the writer writes each chunk once it is due (woken by the proxy's [`DelayTimer`]). The
 /// two run concurrently, so a delay adds latency without limiting throughput, and the queue
-/// keeps the order.
+/// keeps the order. `from_server_port`: for data from the server, the connection's port there
+/// (see [`Proxy::corrupt_next_reply`]).
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &ProxyShared,
+    from_server_port: Option<u32>,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let read = async move {
@@ -1345,7 +1360,14 @@ async fn pump(
                 return Ok::<(), io::Error>(());
             }
             let due = Instant::now() + shared.delay();
-            if tx.send((due, buf[..n].to_vec())).is_err() {
+            let mut chunk = buf[..n].to_vec();
+            if let Some(port) = from_server_port {
+                let corrupt = &shared.corrupt_port;
+                if corrupt.compare_exchange(port, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                    chunk[n - 1] ^= 1;
+                }
+            }
+            if tx.send((due, chunk)).is_err() {
                 // The writer has failed; `try_join!` reports its error.
                 return Ok(());
             }

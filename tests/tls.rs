@@ -7,8 +7,10 @@ mod common;
 use std::time::Duration;
 
 use common::{HANG_GUARD, table, table_exists, within};
-use pgfence::testing::{CERT_ROLE, TestCluster, unique_name};
-use pgfence::{Error, PgKvStore, StandbyState, tls_client_config, tls_client_config_with_cert};
+use pgfence::testing::{CERT_ROLE, Proxy, TestCluster, unique_name};
+use pgfence::{
+    Error, LeaseState, PgKvStore, StandbyState, tls_client_config, tls_client_config_with_cert,
+};
 
 fn tls_cluster() -> TestCluster {
     TestCluster::start_tls().expect("a private cluster with TLS")
@@ -205,4 +207,57 @@ fn an_unusable_client_certificate_or_key_is_a_configuration_error() {
             other => panic!("{what}: expected InvalidConfig for tls, got {:?}", other.err()),
         }
     }
+}
+
+/// A TLS failure in the middle of a session after a write's statement was sent (here the
+/// server's reply is corrupted on its way, so the client cannot decrypt it): unlike a
+/// certificate refused at connect time, the driver reports it to the statement as a closed
+/// connection, so the store handles it like any broken connection: it ends the old session
+/// (where the write had in fact committed) and retries under the key's turn. The write is
+/// applied, `Ok`, and the store keeps its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_failure_after_a_write_was_sent_is_a_broken_connection() {
+    let cluster = tls_cluster();
+    let proxy = Proxy::start(cluster.tcp_addr()).await.unwrap();
+    let t = table("tls_corrupt");
+    let store = PgKvStore::builder_from_config(cluster.config_via(proxy.addr()))
+        .tls(cluster.tls_client_config().unwrap())
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(60))
+        .open()
+        .await
+        .unwrap();
+    store.write("ns", "sub", "k", b"old".to_vec()).await.unwrap();
+    let mut blocker = cluster.connect().await.unwrap();
+    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
+    let write = tokio::spawn(store.write("ns", "sub", "k", b"new".to_vec()));
+
+    // The write's session waits for the row lock; its client port is the proxy's side.
+    let admin = cluster.connect().await.unwrap();
+    let waiting = "SELECT client_port, pid FROM pg_stat_activity
+                    WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    let pattern = format!("%INSERT INTO \"{t}\"%");
+    let (port, pid): (i32, i32) = within("the write waits", async {
+        loop {
+            if let Some(row) = admin.query_opt(waiting, &[&pattern]).await.unwrap() {
+                break (row.get(0), row.get(1));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    proxy.corrupt_next_reply(u16::try_from(port).unwrap());
+    tx.commit().await.unwrap();
+
+    within("the write", write).await.unwrap().expect("retried on a fresh connection");
+    let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+    let value: Vec<u8> = admin.query_one(&sql, &[]).await.unwrap().get(0);
+    assert_eq!(value, b"new");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    let sessions = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+    let old_session: i64 = admin.query_one(sessions, &[&pid]).await.unwrap().get(0);
+    assert_eq!(old_session, 0, "the old session was ended");
+    store.write("ns", "sub", "k", b"after".to_vec()).await.unwrap();
+    store.close().await.unwrap();
 }
