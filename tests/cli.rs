@@ -540,6 +540,50 @@ fn tls_options_connect_over_verified_tls() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A second SIGINT/SIGTERM while `hold` shuts down (here its last write waits for a row lock
+/// another session holds, so the shutdown cannot finish) exits at once with 1, without
+/// releasing: the lease stays held, to expire by its TTL.
+#[test]
+fn second_signal_exits_at_once_without_releasing() {
+    let (url, table) = (server().url(), unique_name("cli_twice"));
+    let args = ["--ttl", "30", "--write-every", "20", "--counter-key", "counter"];
+    let mut a = Holder::spawn("A", &url, &table, &args);
+    let epoch = a.acquired().int("epoch");
+    a.writes(0, 2);
+
+    // A transaction of its own holds the counter's row, so A's next write waits for it.
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let blocker = runtime.block_on(async {
+        let (client, connection) = server().config().connect(NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        let lock = format!("BEGIN; SELECT 1 FROM \"{table}\" WHERE key = 'counter' FOR UPDATE");
+        client.batch_execute(&lock).await.expect("lock the counter row");
+        client
+    });
+    let waiting = format!(
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+           AND query LIKE '%INSERT INTO \"{table}\"%'"
+    );
+    let deadline = Instant::now() + GUARD;
+    while query(&server().config(), &waiting).is_empty() {
+        assert!(Instant::now() < deadline, "A's write never waited for the row lock");
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    a.guard.signal("INT");
+    // The first signal starts the shutdown, which waits for that write.
+    thread::sleep(Duration::from_secs(1));
+    assert!(a.guard.child.try_wait().unwrap().is_none(), "A waits for its write");
+    a.guard.signal("INT");
+    assert_eq!(a.exit_code(), Some(1), "{}", a.stderr());
+    assert!(a.stderr().contains("signalled again"), "{}", a.stderr());
+    assert!(a.events().iter().all(|e| e.kind() != "released"), "{:?}", a.events());
+    let status = run(&url, &table, &["status", "--json"], None);
+    let status: Value = serde_json::from_slice(&status.expect(0, "status").stdout).unwrap();
+    assert_eq!((status["state"].as_str(), status["epoch"].as_i64()), (Some("held"), Some(epoch)));
+    runtime.block_on(blocker.batch_execute("ROLLBACK")).expect("let the row go");
+}
+
 /// Scenario 5: a restart of the database (pg_ctl restart) shorter than the local deadline while
 /// A holds: A keeps its lease and its epoch, and keeps writing.
 #[test]
