@@ -138,14 +138,8 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
 async fn standby_timeout_mid_acquisition_never_takes_the_lease_later() {
     let t = table("sbfence");
     let active = standby_builder(&t, "active").open().await.unwrap();
-    active.write("f", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let write = tokio::spawn(active.write("f", "s", "k", b"in-flight".to_vec()));
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
-    let expire =
-        format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t));
-    admin().await.execute(&expire, &[]).await.unwrap();
+    let (tx, write) = common::write_in_flight_on_an_expired_lease(&active, &t, &mut blocker).await;
 
     let app = format!("sb-{t}");
     let standby = standby_builder(&t, &app).standby().timeout(Duration::from_secs(2));

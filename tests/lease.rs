@@ -453,22 +453,10 @@ async fn renewal_finding_the_lease_taken_fails_closed() {
 async fn in_flight_write_fences_the_takeover() {
     let t = table("inflight");
     let store = builder(&t).application_name("first").open().await.unwrap();
-    store.write("f", "s", "k", b"old".to_vec()).await.unwrap();
-
-    // Hold the KV row so the next write blocks inside its statement, after the lease check.
+    // The next write blocks inside its statement, after the lease check; the lease expires.
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
-
-    // The lease expires (an UPDATE of expires_at only: it does not wait for the writer).
+    let (tx, write) = common::write_in_flight_on_an_expired_lease(&store, &t, &mut blocker).await;
     let db = admin().await;
-    db.execute(
-        &format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t)),
-        &[],
-    )
-    .await
-    .unwrap();
     // A contender opens: its acquisition must wait on the writer's FOR KEY SHARE.
     let contender = tokio::spawn(builder(&t).application_name("second").open());
     common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
@@ -500,15 +488,9 @@ async fn takeover_after_a_wait_at_the_fence_gets_a_whole_ttl() {
     const WAIT: Duration = Duration::from_secs(3);
     let t = table("fence_wait");
     let store = builder(&t).lease_ttl(TTL).open().await.unwrap();
-    store.write("f", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let (tx, write) = common::write_in_flight_on_an_expired_lease(&store, &t, &mut blocker).await;
     let db = admin().await;
-    let expire =
-        format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(&t));
-    db.execute(&expire, &[]).await.unwrap();
     let contender = tokio::spawn(builder(&t).lease_ttl(TTL).open());
     common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
 
