@@ -882,7 +882,19 @@ impl Builder {
             self.lease_ttl,
             &holder,
         )
-        .await?;
+        .await;
+        let acquired = match acquired {
+            Ok(acquired) => acquired,
+            Err(e) => {
+                if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
+                    // Abandoned: a cancel request was sent for this connection's setup and
+                    // may land late, on whatever it runs next. Never hand it back to a pool
+                    // (the application's own, with `builder_from_pool`): close it.
+                    drop(deadpool_postgres::Object::take(client));
+                }
+                return Err(e);
+            }
+        };
         tracing::info!(table = %table.display(), epoch = acquired.epoch,
             owner_id = %acquired.owner_id, "pgfence lease acquired");
 

@@ -130,23 +130,22 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     active.close().await.unwrap();
 }
 
-/// A standby whose timeout (or whose dropped future) ends an attempt in the middle of its
-/// acquisition, here waiting at the fence for the expired holder's in-flight write, leaves
-/// nothing behind: the attempt's statement is cancelled (its session goes), and it never takes
-/// the lease later, when the write has finished. The next store to open gets epoch 2.
+/// A standby whose future is dropped (as its `timeout` does) in the middle of an acquisition,
+/// here waiting at the fence for the expired holder's in-flight write, leaves nothing behind:
+/// the attempt's statement is cancelled (its session goes), and it never takes the lease later,
+/// when the write has finished. The next store to open gets epoch 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standby_timeout_mid_acquisition_never_takes_the_lease_later() {
+async fn standby_dropped_mid_acquisition_never_takes_the_lease_later() {
     let t = table("sbfence");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let mut blocker = admin().await;
     let (tx, write) = common::write_in_flight_on_an_expired_lease(&active, &t, &mut blocker).await;
 
     let app = format!("sb-{t}");
-    let standby = standby_builder(&t, &app).standby().timeout(Duration::from_secs(2));
-    let attempt = tokio::spawn(standby.open());
+    let attempt = tokio::spawn(standby_builder(&t, &app).standby().open());
     common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
-    let e = within("the standby's timeout", attempt).await.unwrap().unwrap_err();
-    assert!(matches!(e, Error::Timeout { operation: "wait for lease", .. }), "{e:?}");
+    attempt.abort();
+    assert!(attempt.await.unwrap_err().is_cancelled());
     within("the standby's sessions gone", async {
         while sessions_of(&app).await > 0 {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -161,6 +160,29 @@ async fn standby_timeout_mid_acquisition_never_takes_the_lease_later() {
     let next = standby_builder(&t, "next").open().await.expect("the lease is free");
     assert_eq!(next.fencing_token(), 2);
     next.close().await.unwrap();
+}
+
+/// An `open()` abandoned while it waits for a connection of the application's pool
+/// (`builder_from_pool`) gets the connection later, sees its caller gone, cancels its setup and
+/// closes that connection instead of handing it back: the cancel request can land late, and
+/// must not hit the next statement of whoever takes the connection next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_open_never_hands_its_connection_back_to_the_pool() {
+    let server = common::server();
+    let manager = pgfence::deadpool_postgres::Manager::new(server.config(), tokio_postgres::NoTls);
+    let pool = pgfence::deadpool_postgres::Pool::builder(manager).max_size(1).build().unwrap();
+    let pid = "SELECT pg_backend_pid()";
+    let held = pool.get().await.unwrap();
+    let first: i32 = held.query_one(pid, &[]).await.unwrap().get(0);
+    let opening = PgKvStore::builder_from_pool(pool.clone()).table(&table("abandoned")).open();
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), opening).await;
+    assert!(gave_up.is_err(), "the open waits for the pool's only connection");
+
+    drop(held); // The abandoned open's task gets it now, and must not give it back.
+    let next = within("a connection", pool.get()).await.unwrap();
+    let second: i32 = next.query_one(pid, &[]).await.unwrap().get(0);
+    assert_ne!(first, second, "the abandoned open's connection was closed, not reused");
+    next.query_one("SELECT pg_sleep(0.3)", &[]).await.expect("no late cancel hits it");
 }
 
 /// With its LISTEN connection killed, the standby polls (and reconnects) and still takes over
