@@ -174,7 +174,7 @@ async fn abandoned_open_never_hands_its_connection_back_to_the_pool() {
     let pid = "SELECT pg_backend_pid()";
     let held = pool.get().await.unwrap();
     let first: i32 = held.query_one(pid, &[]).await.unwrap().get(0);
-    let opening = PgKvStore::builder_from_pool(pool.clone()).table(&table("abandoned")).open();
+    let opening = PgKvStore::builder_from_pool(pool.clone()).table(table("abandoned")).open();
     let gave_up = tokio::time::timeout(Duration::from_millis(200), opening).await;
     assert!(gave_up.is_err(), "the open waits for the pool's only connection");
 
