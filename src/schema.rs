@@ -98,6 +98,7 @@ async fn prepare(
     ttl: Duration,
     holder: &Holder,
 ) -> Result<Acquired> {
+    tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
     let control: Option<bool> = tx
         .query_one(sql::SESSION_CONTROL, &[])
         .await

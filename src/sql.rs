@@ -21,6 +21,13 @@ pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 pub(crate) const SETUP_LOCK: &str = r#"
 SELECT pg_advisory_xact_lock($1::int, hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
 
+/// First in the setup transaction: a `statement_timeout` or `lock_timeout` in the connection's
+/// options is meant for the application's operations. The setup's waits (for a concurrent
+/// setup, at the fence for the old holder's writes, a one-time index rebuild) end when what
+/// they wait for ends, and a cancelled setup would end a standby's wait for good.
+pub(crate) const SETUP_TIMEOUTS: &str =
+    "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
+
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 

@@ -158,6 +158,28 @@ async fn statement_timeout_in_the_options_bounds_a_blocked_write() {
     store.close().await.unwrap();
 }
 
+/// A `statement_timeout` or `lock_timeout` in the connection's options bounds the application's
+/// operations, not `open()`: an acquisition that waits at the fence longer than both (here for
+/// a transaction holding the expired lease row FOR KEY SHARE, as an old holder's write does)
+/// waits it out and takes the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_timeout_in_the_options_does_not_cut_the_setup() {
+    let t = table("setup_timeout");
+    builder(&t).open().await.unwrap().close().await.unwrap(); // The tables, the lease free.
+    let mut locker = admin().await;
+    let tx = common::lock_lease_row(&mut locker, &t, "FOR KEY SHARE").await;
+    let mut config = common::server().config();
+    config.options("-c statement_timeout=300 -c lock_timeout=300");
+    let opening = tokio::spawn(PgKvStore::builder_from_config(config).table(&t).open());
+    common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", common::lease_table(&t))).await;
+    tokio::time::sleep(Duration::from_secs(1)).await; // Past both timeouts.
+    assert!(!opening.is_finished(), "still waiting at the fence");
+    tx.commit().await.unwrap();
+    let store = within("the open", opening).await.unwrap().expect("opened after the wait");
+    assert_eq!(store.fencing_token(), 2);
+    store.close().await.unwrap();
+}
+
 /// Every attempt of a write commits on the server and then loses its connection before the
 /// reply (the server waits for a synchronous standby that does not exist, and that wait is
 /// ended by terminating the session: PostgreSQL has committed locally by then), until the
