@@ -235,7 +235,8 @@ impl PgKvStore {
     }
 
     /// Closes the store, as [`crate::PgKvStore::close`]: new operations get [`Error::Closed`],
-    /// running ones finish, and the lease is released at once. Returns the release's result.
+    /// started ones get up to `drop_timeout` to finish, and the lease is released. Returns the
+    /// release's result, or [`Error::Timeout`] if operations were still running.
     pub fn close(&self) -> Result<()> {
         let store = self.store.clone();
         self.io.block_on(async move { store.close().await })

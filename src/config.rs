@@ -146,7 +146,8 @@ impl Builder {
         self
     }
 
-    /// How many single-key write statements (`write`, `remove`) may run at once (default 4).
+    /// How many single-key write statements (`write`, `remove`) may run at once (default 4;
+    /// 1 to 10,000, else `open()` fails with [`Error::InvalidConfig`]).
     /// A `write` or `remove` that arrives while that many run waits, and the next statement
     /// to start applies the oldest waiting mutations (up to 1,000 of them and 16 MiB of values;
     /// of different keys: each key's order is kept) in one fenced statement, like a

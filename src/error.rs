@@ -32,9 +32,10 @@ pub enum Error {
 
     /// This store no longer owns the lease. Permanent: every later operation fails the same way.
     ///
-    /// The statement that found the loss wrote nothing. (If a connection broke under an
-    /// earlier attempt of the same call, that attempt may have committed while the lease was
-    /// still held; it is never reordered against other calls of the key.)
+    /// The statement that found the loss wrote nothing. But with the reason
+    /// [`LossReason::WriteOutcomeUnknown`], the call's own write may have committed (an attempt
+    /// whose connection broke, while the lease was still held): read the key back. Either way
+    /// it is never reordered against other calls of the key.
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
         /// The epoch this store held.
@@ -169,7 +170,7 @@ impl fmt::Display for LossReason {
                 "renewal not confirmed before the local deadline (fail closed before DB expiry)"
             }
             LossReason::WriteOutcomeUnknown => {
-                "a write's outcome could not be resolved (its connection broke or its task was dropped)"
+                "a write's outcome could not be resolved (its connection broke, its retries ended in an error, or its task was dropped)"
             }
         })
     }

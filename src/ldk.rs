@@ -123,8 +123,9 @@ impl LdkStore {
         self.inner.owner_id()
     }
 
-    /// Closes the store, blocking: new operations fail, running ones finish, the lease is
-    /// released at once. See [`crate::PgKvStore::close`].
+    /// Closes the store, blocking: new operations fail, started ones get up to `drop_timeout`
+    /// to finish, the lease is released. Returns the release's result, or `Error::Timeout` if
+    /// operations were still running. See [`crate::PgKvStore::close`].
     pub fn close(&self) -> Result<()> {
         self.inner.close()
     }

@@ -359,7 +359,8 @@ impl PgKvStore {
     /// waiting at most `drop_timeout` for them; renewal stops and the lease is released by
     /// owner id (expired now; the epoch counter is kept), so another store can open at once.
     /// Returns the release's result, or [`Error::Timeout`] if operations were still running.
-    /// Closing again returns `Ok`.
+    /// Closing again returns `Ok` once nothing runs any more (while operations still hang, it
+    /// waits `drop_timeout` for them too and returns `Timeout`).
     pub async fn close(&self) -> Result<()> {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::SeqCst);

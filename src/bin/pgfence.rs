@@ -33,8 +33,9 @@ Exit codes:
   5  lease lost (hold: taken over, force-released, or renewal failed)
 
 Without --tls-root-cert, connections are plain TCP or Unix socket (and sslmode=require is
-refused); with it, every connection requires TLS and a server certificate from those roots,
-and --tls-cert with --tls-key presents a client certificate to a server that asks for one.";
+refused); with it, every connection requires TLS and a server certificate from those roots (a
+Unix socket host is refused), and --tls-cert with --tls-key presents a client certificate to a
+server that asks for one.";
 
 /// Operator tool for a pgfence table: a key-value store in PostgreSQL that only the holder of
 /// the table's lease may mutate.
