@@ -32,10 +32,12 @@ pub enum Error {
 
     /// This store no longer owns the lease. Permanent: every later operation fails the same way.
     ///
-    /// The statement that found the loss wrote nothing. But with the reason
-    /// [`LossReason::WriteOutcomeUnknown`], the call's own write may have committed (an attempt
-    /// whose connection broke, while the lease was still held): read the key back. Either way
-    /// it is never reordered against other calls of the key.
+    /// The statement that found the loss wrote nothing. But if a connection broke under an
+    /// earlier attempt of the same call, that attempt may have committed, while the lease was
+    /// still held: read the key back. (The reason is [`LossReason::WriteOutcomeUnknown`] when
+    /// the store failed closed because of that attempt; if the lease was lost meanwhile for
+    /// another reason, `Fenced` say, that reason is given.) It is never reordered against
+    /// other calls of the key.
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
         /// The epoch this store held.

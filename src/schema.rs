@@ -146,14 +146,18 @@ async fn prepare(
             supported: latest_version(),
         });
     }
-    for (version, migration) in sql::MIGRATIONS.iter().filter(|(v, _)| *v > found) {
-        tx.batch_execute(&sql::substitute(migration, table))
-            .await
-            .map_err(Error::db("migrate schema"))?;
-        tx.execute(&statements.record_version, &[version])
-            .await
-            .map_err(Error::db("record schema version"))?;
-        tracing::info!(table = %table.display(), version, "pgfence schema migrated");
+    if found < latest_version() {
+        tx.batch_execute(sql::MIGRATION_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
+        for (version, migration) in sql::MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+            tx.batch_execute(&sql::substitute(migration, table))
+                .await
+                .map_err(Error::db("migrate schema"))?;
+            tx.execute(&statements.record_version, &[version])
+                .await
+                .map_err(Error::db("record schema version"))?;
+            tracing::info!(table = %table.display(), version, "pgfence schema migrated");
+        }
+        tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
     }
 
     let owner_id = Uuid::new_v4();

@@ -28,6 +28,12 @@ SELECT pg_advisory_xact_lock($1::int, hashtext(coalesce($2::text, current_schema
 pub(crate) const SETUP_TIMEOUTS: &str =
     "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
 
+/// Around the migrations, which may lock the KV table (`ACCESS EXCLUSIVE`, queueing every
+/// other reader of it behind them while they wait): the connection's own `lock_timeout`, if
+/// it has one, bounds that wait again, as the application asked. `DEFAULT` is the session's
+/// value before any `SET`, i.e. the one from the connection's options.
+pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
+
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 

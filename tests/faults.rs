@@ -180,6 +180,42 @@ async fn statement_timeout_in_the_options_does_not_cut_the_setup() {
     store.close().await.unwrap();
 }
 
+/// A `lock_timeout` in the connection's options still bounds a migration's wait for its table
+/// lock, as the application asked (the rest of the setup ignores it): with a reader holding the
+/// KV table of a version-3 schema, `open()` fails with `lock_not_available` and changes
+/// nothing; once the reader is gone, the same `open()` migrates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_timeout_in_the_options_bounds_a_migration() {
+    let t = table("migration_lock");
+    builder(&t).open().await.unwrap().close().await.unwrap();
+    let db = admin().await;
+    let version = format!("SELECT max(version) FROM \"{t}_schema_version\"");
+    // Back to version 3, whose migration to 4 rebuilds the key columns' indexes.
+    db.batch_execute(&format!(
+        "ALTER TABLE \"{t}\" ALTER COLUMN key TYPE TEXT COLLATE \"default\";
+         DELETE FROM \"{t}_schema_version\" WHERE version = 4"
+    ))
+    .await
+    .unwrap();
+    let mut reader = admin().await;
+    let tx = reader.transaction().await.unwrap();
+    tx.query(&format!("SELECT count(*) FROM \"{t}\""), &[]).await.unwrap(); // ACCESS SHARE.
+    let mut config = common::server().config();
+    config.options("-c lock_timeout=300");
+    let open = || PgKvStore::builder_from_config(config.clone()).table(&t).open();
+
+    let e = within("the open", open()).await.unwrap_err();
+    let lock_not_available = matches!(&e, pgfence::Error::Database { source, .. }
+        if source.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE));
+    assert!(lock_not_available, "{e:?}");
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 3, "unchanged");
+
+    tx.commit().await.unwrap();
+    let store = within("the open", open()).await.expect("migrated once the reader is gone");
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 4);
+    store.close().await.unwrap();
+}
+
 /// Every attempt of a write commits on the server and then loses its connection before the
 /// reply (the server waits for a synchronous standby that does not exist, and that wait is
 /// ended by terminating the session: PostgreSQL has committed locally by then), until the
