@@ -174,9 +174,16 @@ async fn abandoned_open_never_hands_its_connection_back_to_the_pool() {
     let pid = "SELECT pg_backend_pid()";
     let held = pool.get().await.unwrap();
     let first: i32 = held.query_one(pid, &[]).await.unwrap().get(0);
-    let opening = PgKvStore::builder_from_pool(pool.clone()).table(table("abandoned")).open();
-    let gave_up = tokio::time::timeout(Duration::from_millis(200), opening).await;
-    assert!(gave_up.is_err(), "the open waits for the pool's only connection");
+    let opening =
+        tokio::spawn(PgKvStore::builder_from_pool(pool.clone()).table(table("abandoned")).open());
+    within("the open waits for the pool's only connection", async {
+        while pool.status().waiting == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    opening.abort(); // Its caller gives up.
+    assert!(opening.await.unwrap_err().is_cancelled());
 
     drop(held); // The abandoned open's task gets it now, and must not give it back.
     let next = within("a connection", pool.get()).await.unwrap();
