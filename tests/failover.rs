@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use common::{admin, builder, lease_table, table, within};
 use pgfence::{Error, LeaseState, LossReason, PgKvStore, StandbyState};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 /// Long enough that an acquisition soon after a release proves the release, not an expiry.
 const TTL: Duration = Duration::from_secs(30);
@@ -112,6 +113,19 @@ async fn sessions_of(app: &str) -> i64 {
         .get(0)
 }
 
+/// Drops the standby's `open()` future (aborting the task that runs it) and waits until every
+/// session of the standby named `app` is gone.
+async fn drop_and_wait_until_gone(standby: JoinHandle<pgfence::Result<PgKvStore>>, app: &str) {
+    standby.abort();
+    assert!(standby.await.unwrap_err().is_cancelled());
+    within("the standby's sessions gone", async {
+        while sessions_of(app).await > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_standby_future_leaves_nothing_running() {
     let t = table("sbcancel");
@@ -119,14 +133,7 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     let app = format!("sb-{t}");
     let (waiting, _progress) = waiting_standby(&t, &app).await;
     assert!(sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
-    waiting.abort();
-    assert!(waiting.await.unwrap_err().is_cancelled());
-    within("standby sessions gone", async {
-        while sessions_of(&app).await > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    drop_and_wait_until_gone(waiting, &app).await;
     active.close().await.unwrap();
 }
 
@@ -144,14 +151,7 @@ async fn standby_dropped_mid_acquisition_never_takes_the_lease_later() {
     let app = format!("sb-{t}");
     let attempt = tokio::spawn(standby_builder(&t, &app).standby().open());
     common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
-    attempt.abort();
-    assert!(attempt.await.unwrap_err().is_cancelled());
-    within("the standby's sessions gone", async {
-        while sessions_of(&app).await > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    drop_and_wait_until_gone(attempt, &app).await;
 
     tx.commit().await.unwrap();
     within("the in-flight write", write).await.unwrap().expect("the fenced write commits");
