@@ -144,8 +144,9 @@ impl Batch {
         };
         async move {
             let entries = entries?;
-            let work = |inner: Arc<Inner>| async move { apply(&inner, entries).await };
-            admitted(inner, |inner| work(inner).instrument(span)).await
+            let store = Arc::clone(&inner);
+            let work = async move { apply(&store, entries).await };
+            admitted(&inner, work.instrument(span)).await
         }
     }
 }

@@ -220,10 +220,9 @@ impl PgKvStore {
         let span = inner.span("write", primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
-            let work = |inner: Arc<Inner>| async move {
-                inner.mutate(ticket, Mutation::Write(value)).await
-            };
-            admitted(inner, |inner| work(inner).instrument(span)).await
+            let store = Arc::clone(&inner);
+            let work = async move { store.mutate(ticket, Mutation::Write(value)).await };
+            admitted(&inner, work.instrument(span)).await
         }
     }
 
@@ -244,9 +243,9 @@ impl PgKvStore {
         let span = inner.span("remove", primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
-            let work =
-                |inner: Arc<Inner>| async move { inner.mutate(ticket, Mutation::Remove).await };
-            admitted(inner, |inner| work(inner).instrument(span)).await
+            let store = Arc::clone(&inner);
+            let work = async move { store.mutate(ticket, Mutation::Remove).await };
+            admitted(&inner, work.instrument(span)).await
         }
     }
 
@@ -724,17 +723,12 @@ pub(crate) struct Backend {
 
 /// Runs a mutation admitted when its future is first polled ([`Inner::admit`]) in a task of
 /// its own ([`detached`]), holding its admission until it ends, so `close()` waits for it.
-pub(crate) async fn admitted<T, F>(
-    inner: Arc<Inner>,
-    work: impl FnOnce(Arc<Inner>) -> F,
-) -> Result<T>
-where
-    T: Send + 'static,
-    F: Future<Output = Result<T>> + Send + 'static,
-{
+pub(crate) async fn admitted<T: Send + 'static>(
+    inner: &Inner,
+    work: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
     let running = inner.admit()?;
     let abandoned = inner.abandoned();
-    let work = work(inner);
     detached(
         async move {
             let _running = running;
