@@ -467,11 +467,8 @@ async fn stalled_failed_acquisition_does_not_block_the_holder() {
 async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
     let t = table("hungclose");
     let store = builder(&t).drop_timeout(Duration::from_secs(1)).open().await.unwrap();
-    store.write("h", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let hung = tokio::spawn(store.write("h", "s", "k", b"hung".to_vec()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (tx, hung) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
     let e = within("close", store.close()).await.unwrap_err();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
     assert!(lease_row(&admin().await, &t).await.2 <= 0, "released anyway");
@@ -482,7 +479,7 @@ async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
     tx.commit().await.unwrap();
     within("hung write", hung).await.unwrap().unwrap();
     let successor = within("successor", successor).await.unwrap().unwrap();
-    assert_eq!(successor.read("h", "s", "k").await.unwrap(), b"hung");
+    assert_eq!(successor.read("f", "s", "k").await.unwrap(), b"in-flight");
     successor.close().await.unwrap();
 }
 

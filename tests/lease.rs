@@ -583,11 +583,8 @@ async fn blocked_caller_runtime_does_not_stop_renewal() {
 async fn exhausted_pool_does_not_stop_renewal() {
     let t = table("poolstuck");
     let store = short_deadline(&t).pool_size(1).open().await.unwrap();
-    store.write("p", "s", "k", b"first".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let stuck = tokio::spawn(store.write("p", "s", "k", b"second".to_vec()));
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let (tx, stuck) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
     tokio::time::sleep(Duration::from_secs(4)).await; // Past the local deadline.
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     tx.rollback().await.unwrap();

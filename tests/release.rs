@@ -69,14 +69,11 @@ async fn close_releases_and_later_calls_get_closed() {
 async fn close_waits_for_started_operations_then_releases() {
     let t = table("closewait");
     let store = long_lease(&t).write_concurrency(1).open().await.unwrap();
-    store.write("c", "s", "k", b"old".to_vec()).await.unwrap();
     let mut blocker = admin().await;
-    let tx = common::lock_key_row(&mut blocker, &t, "k").await;
-    let running = tokio::spawn(store.write("c", "s", "k", b"running".to_vec()));
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO \"{t}\"%")).await;
+    let (tx, running) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
     // Polled once each: started (admitted), then waiting.
-    let mut queued = Box::pin(store.write("c", "s", "k2", b"queued".to_vec()));
-    let mut same_key = Box::pin(store.write("c", "s", "k", b"same key, later".to_vec()));
+    let mut queued = Box::pin(store.write("f", "s", "k2", b"queued".to_vec()));
+    let mut same_key = Box::pin(store.write("f", "s", "k", b"same key, later".to_vec()));
     assert!(
         poll_once(&mut queued).await.is_pending() && poll_once(&mut same_key).await.is_pending()
     );
@@ -84,7 +81,7 @@ async fn close_waits_for_started_operations_then_releases() {
 
     let mut closing = Box::pin(store.close());
     assert!(poll_once(&mut closing).await.is_pending(), "close waits for the running writes");
-    let late = store.write("c", "s", "k3", b"late".to_vec());
+    let late = store.write("f", "s", "k3", b"late".to_vec());
     assert!(matches!(within("late write", late).await, Err(Error::Closed)));
     tx.rollback().await.unwrap();
     within("running write", running).await.unwrap().expect("the running write commits");

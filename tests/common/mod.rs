@@ -145,11 +145,11 @@ async fn lock_row<'a>(
     tx
 }
 
-/// Leaves `store`'s lease expired while a write is in flight: the write of key `f/s/k` (whose
-/// value was `old`) waits for the row lock of the returned transaction, holding its FOR KEY
-/// SHARE lock on the lease row, so a takeover must wait for it (the fence). Commit or roll the
-/// transaction back to let the write go on.
-pub async fn write_in_flight_on_an_expired_lease<'a>(
+/// A write in flight: the write of key `f/s/k` (whose value was `old`) to `in-flight` waits,
+/// inside its statement and after its lease check, for the row lock of the returned
+/// transaction, holding its FOR KEY SHARE lock on the lease row, so a takeover must wait for it
+/// (the fence). Commit or roll the transaction back to let the write go on.
+pub async fn write_waiting_for_a_row_lock<'a>(
     store: &PgKvStore,
     table: &str,
     blocker: &'a mut tokio_postgres::Client,
@@ -158,6 +158,16 @@ pub async fn write_in_flight_on_an_expired_lease<'a>(
     let tx = lock_key_row(blocker, table, "k").await;
     let write = tokio::spawn(store.write("f", "s", "k", b"in-flight".to_vec()));
     wait_for_query_lock_wait(&format!("%INSERT INTO \"{table}\"%")).await;
+    (tx, write)
+}
+
+/// [`write_waiting_for_a_row_lock`], and then `store`'s lease expires while the write waits.
+pub async fn write_in_flight_on_an_expired_lease<'a>(
+    store: &PgKvStore,
+    table: &str,
+    blocker: &'a mut tokio_postgres::Client,
+) -> (tokio_postgres::Transaction<'a>, tokio::task::JoinHandle<pgfence::Result<()>>) {
+    let (tx, write) = write_waiting_for_a_row_lock(store, table, blocker).await;
     // An UPDATE of expires_at only: it does not wait for the writer.
     let expire =
         format!("UPDATE {} SET expires_at = clock_timestamp() WHERE id = 1", lease_table(table));
