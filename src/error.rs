@@ -36,8 +36,9 @@ pub enum Error {
     /// earlier attempt of the same call, that attempt may have committed, while the lease was
     /// still held: read the key back. (The reason is [`LossReason::WriteOutcomeUnknown`] when
     /// the store failed closed because of that attempt; if the lease was lost meanwhile for
-    /// another reason, `Fenced` say, that reason is given.) It is never reordered against
-    /// other calls of the key.
+    /// another reason, `Fenced` say, that reason is given.) The same holds for a mutation still
+    /// waiting for the server's answer at the local deadline (reason `DeadlinePassed`): it was
+    /// sent, and may still commit. It is never reordered against other calls of the key.
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
         /// The epoch this store held.
@@ -153,7 +154,8 @@ pub enum LossReason {
     /// Renewal found the lease row no longer ours (taken over or released by an operator).
     TakenOver,
     /// Renewal could not be confirmed before the local deadline, which comes before the
-    /// database-side expiry.
+    /// database-side expiry. Operations still waiting for the server's answer then return with
+    /// it too (a server or network that stopped answering, with the connection still up).
     DeadlinePassed,
     /// A write's statement may still commit and its outcome cannot be learned: its connection
     /// broke and the server session running it could not be confirmed ended, or its retries

@@ -102,6 +102,22 @@ impl Lease {
         Ok(())
     }
 
+    /// Completes once the local deadline has passed, unless the lease was given up by then
+    /// (after a release there is no deadline to keep: an operation still running is left to
+    /// finish). Renewal moves the deadline, so it is read again on every wake-up, at least once a
+    /// second: tokio's timers stop while the machine is suspended, the deadline's clock does not.
+    pub(crate) async fn deadline_passed(&self) {
+        const MAX_NAP: Duration = Duration::from_secs(1);
+        loop {
+            let left = self.remaining();
+            if left.is_zero() && !self.given_up.load(Ordering::SeqCst) {
+                return;
+            }
+            let nap = if left.is_zero() { MAX_NAP } else { left.min(MAX_NAP) };
+            tokio::time::sleep(nap).await;
+        }
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.get().is_some()
     }

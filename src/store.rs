@@ -41,11 +41,14 @@ use crate::sql::{self, Statements};
 /// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
 ///   deadline (which comes before the database expiry), every key operation (reads, lists,
 ///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
-///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. Of the calls that read the
-///   database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
+///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. An operation still waiting for
+///   the server's answer when the local deadline passes returns then too, instead of waiting
+///   for a server that may never answer. Of the calls that read the database, only
+///   [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
 ///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation whose
-///   statement had already locked the lease row when the loss came may still commit and return
-///   `Ok`; a successor's takeover waits for it.
+///   statement had already locked the lease row when the loss came may still commit; a
+///   successor's takeover waits for it. It returns `Ok` if its answer comes before the local
+///   deadline, else `LeaseLost` with its outcome unknown (read the key back).
 /// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
 ///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
 ///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
@@ -559,6 +562,11 @@ impl Inner {
     /// after it. If that cannot be confirmed, the store fails closed rather than risk a later
     /// call being overwritten.
     ///
+    /// An attempt still unanswered at the local deadline is abandoned: the store fails closed
+    /// (`DeadlinePassed`) and the caller learns that at once, whether the server is hung or
+    /// the network holds the connection open without passing data; the connection is closed
+    /// rather than handed back to the pool.
+    ///
     /// A mutation that ends in an error after such an attempt may have committed all the same.
     /// Its callers' turns would then be released as not applied, and an earlier call of the
     /// same key could run and overwrite the committed value; so the store fails closed
@@ -579,14 +587,35 @@ impl Inner {
             let mut sent_to: Option<Backend> = None;
             let mut pending: Option<OutcomePending> = None;
             let attempt = async {
-                let client = self.pool.get().await.map_err(Error::pool(operation))?;
+                let client = Checkout(Some(self.pool.get().await.map_err(Error::pool(operation))?));
                 let backend = if mutation { Some(self.backend(&client).await?) } else { None };
                 let statement = client.prepare_cached(sql).await.map_err(Error::db(operation))?;
                 pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
                 sent_to = backend;
-                client.query(&statement, params).await.map_err(Error::db(operation))
+                let rows = client.query(&statement, params).await;
+                client.answered();
+                rows.map_err(Error::db(operation))
             };
-            let result = attempt.await;
+            let answered = tokio::select! {
+                biased;
+                result = attempt => Some(result),
+                () = self.lease.deadline_passed() => None,
+            };
+            let Some(result) = answered else {
+                // No answer by the local deadline (a server or network that stopped answering
+                // with the connection still up: renewal cannot confirm the lease either, or it
+                // would have moved the deadline). The store fails closed now, as every later
+                // operation would; a mutation sent may still commit, as one that locked the
+                // lease row before a loss may, and its caller is told its outcome is unknown.
+                tracing::error!(
+                    operation,
+                    "pgfence gave up waiting for the server at the local deadline"
+                );
+                if let Some(pending) = pending {
+                    pending.settled(); // The loss is reported here, to the caller.
+                }
+                return Err(self.lease.fail(LossReason::DeadlinePassed));
+            };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
                     maybe_committed = true;
@@ -643,7 +672,8 @@ impl Inner {
     }
 
     /// Terminates the server process of a connection that broke under a mutation and waits
-    /// until it is gone (see [`Inner::run`]). Fails closed if that cannot be confirmed in time.
+    /// until it is gone (see [`Inner::run`]). Fails closed if that cannot be confirmed in time,
+    /// that is within `retry_for` and before the local deadline.
     async fn await_backend_gone(&self, backend: &Backend) -> Result<()> {
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(20);
@@ -653,24 +683,31 @@ impl Inner {
             self.lease.check()?;
             let attempt = async {
                 let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;
+                let client = Checkout(Some(client));
                 let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
                 client
                     .query(sql::TERMINATE_BACKEND, &params)
                     .await
                     .map_err(Error::db("end broken session"))?;
-                loop {
-                    let alive = client
-                        .query_opt(sql::BACKEND_ALIVE, &params)
-                        .await
-                        .map_err(Error::db("end broken session"))?;
-                    if alive.is_none() {
-                        return Ok::<_, Error>(());
-                    }
+                while client
+                    .query_opt(sql::BACKEND_ALIVE, &params)
+                    .await
+                    .map_err(Error::db("end broken session"))?
+                    .is_some()
+                {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
+                client.answered();
+                Ok::<_, Error>(())
             };
             let left = self.retry_for.saturating_sub(started.elapsed());
-            let outcome = tokio::time::timeout(left, attempt).await;
+            let outcome = tokio::select! {
+                biased;
+                outcome = tokio::time::timeout(left, attempt) => outcome,
+                () = self.lease.deadline_passed() => {
+                    return Err(self.lease.fail(LossReason::DeadlinePassed));
+                }
+            };
             match outcome {
                 Ok(Ok(())) => {
                     tracing::debug!(pid = backend.pid, "pgfence broken session is gone");
@@ -755,6 +792,35 @@ pub(crate) async fn detached<T: Send + 'static>(
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // The task was dropped unfinished: only when its runtime shuts down.
         Err(_) => Err(abandoned()),
+    }
+}
+
+/// A pooled connection in use by one attempt. It goes back to the pool only once its
+/// statements are answered ([`Checkout::answered`]); dropped before, because the attempt was
+/// abandoned at the local deadline or its task dropped, it is taken out of the pool: the next
+/// user would otherwise queue behind the unanswered statement, on a hung server for good.
+/// (Its connection closes once the server answers, or the socket fails.)
+struct Checkout(Option<deadpool_postgres::Object>);
+
+impl Checkout {
+    fn answered(mut self) {
+        drop(self.0.take()); // Back to the pool.
+    }
+}
+
+impl std::ops::Deref for Checkout {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &deadpool_postgres::Object {
+        self.0.as_ref().expect("a checkout holds its connection until answered or dropped")
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(deadpool_postgres::Object::take(object));
+        }
     }
 }
 

@@ -260,6 +260,60 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
     store.close().await.unwrap();
 }
 
+/// A server that stops answering with the connections still up (here a proxy that holds back
+/// everything from the moment a write is running on the server: its answer, a read, renewal).
+/// The operations waiting for an answer return `LeaseLost` (`DeadlinePassed`) at the local
+/// deadline instead of waiting for the server. The write was sent, so its outcome is unknown,
+/// not failed: it commits all the same. Neither connection goes back to the pool, where the next
+/// user would queue behind an unanswered statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_unanswered_at_the_local_deadline_return_lease_lost() {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("unanswered");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(6)) // local deadline 4 s
+        .renew_interval(Duration::from_secs(1))
+        .open()
+        .await
+        .unwrap();
+    store.write("u", "s", "k", b"first".to_vec()).await.unwrap();
+    warm_pool(&store, &t, 2).await;
+    slow_trigger(&t, 3).await;
+    let write = tokio::spawn(store.write("u", "s", "k", b"slow".to_vec()));
+    wait_for_sleeper(&t).await;
+    proxy.set_delay(Duration::from_secs(3600)); // Nothing gets through any more.
+    let read = tokio::spawn({
+        let store = store.clone();
+        async move { store.read("u", "s", "k").await }
+    });
+
+    let deadline_passed =
+        |e: &Error| matches!(e, Error::LeaseLost { reason: LossReason::DeadlinePassed, .. });
+    let e = within("unanswered write", write).await.unwrap().unwrap_err();
+    assert!(deadline_passed(&e), "{e:?}");
+    let e = within("unanswered read", read).await.unwrap().unwrap_err();
+    assert!(deadline_passed(&e), "{e:?}");
+    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed };
+    assert_eq!(*store.lease_state().borrow(), lost);
+    let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+    let db = admin().await;
+    within("the unanswered write commits", async {
+        while db.query_one(&sql, &[]).await.unwrap().get::<_, Vec<u8>>(0) != b"slow" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+
+    proxy.set_delay(Duration::ZERO);
+    // Both pooled connections wait for answers held back for an hour: only a new one answers.
+    let info = within("lease info on a new connection", store.lease_info()).await.unwrap();
+    assert_eq!(info.map(|info| info.epoch), Some(1));
+    store.close().await.unwrap();
+}
+
 /// A connection breaks while its write still runs on the server, and the store cannot end that
 /// server process (EXECUTE on `pg_terminate_backend` was revoked after the store opened). The
 /// old statement may commit at any time, so the store fails closed (`WriteOutcomeUnknown`)
@@ -407,7 +461,8 @@ async fn waited_past_the_expiry(fenced: common::Fenced) {
     let mut blocker = admin().await;
     let tx = common::lock_lease_row(&mut blocker, &t, "FOR UPDATE").await;
     let mutation = tokio::spawn(fenced.run(&store));
-    common::wait_for_query_lock_wait(&format!("%{}%FOR KEY SHARE%", lease_table(&t))).await;
+    let statement = format!("%{}%FOR KEY SHARE%", lease_table(&t));
+    common::wait_for_query_lock_wait(&statement).await;
     let db = admin().await;
     within("database expiry", async {
         while lease_row(&db, &t).await.2 > -200 {
@@ -415,10 +470,21 @@ async fn waited_past_the_expiry(fenced: common::Fenced) {
         }
     })
     .await;
-    assert!(!mutation.is_finished(), "{fenced:?} was waiting for the lock");
-    tx.rollback().await.unwrap(); // The lease row is unchanged: only the clock moved.
+    // The caller got `LeaseLost` at the local deadline; the statement still waits on the server.
     let e = within("mutation", mutation).await.unwrap().unwrap_err();
     assert!(e.is_lease_lost(), "{fenced:?}: {e:?}");
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    let n: i64 = db.query_one(waiting, &[&statement]).await.unwrap().get(0);
+    assert_eq!(n, 1, "{fenced:?} is still waiting for the lock");
+    tx.rollback().await.unwrap(); // The lease row is unchanged: only the clock moved.
+    let running = "SELECT 1 FROM pg_stat_activity WHERE state = 'active' AND query LIKE $1";
+    within("the statement ends", async {
+        while !db.query(running, &[&statement]).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     assert_eq!(common::all_rows(&t).await, before, "{fenced:?} changed nothing after the expiry");
 }
 
@@ -462,16 +528,26 @@ async fn stalled_failed_acquisition_does_not_block_the_holder() {
 }
 
 /// `close()` does not wait forever for a hung operation: it releases after `drop_timeout` and
-/// says so. The release stays safe: a successor still waits for the hung write's lock.
+/// says so. The release stays safe: a successor still waits for the hung write's lock. Once
+/// released, the lease has no local deadline any more: the write is not abandoned at it, and
+/// its caller learns that it committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_with_a_hung_operation_is_bounded_and_still_fenced() {
     let t = table("hungclose");
-    let store = builder(&t).drop_timeout(Duration::from_secs(1)).open().await.unwrap();
+    let store = builder(&t)
+        .drop_timeout(Duration::from_secs(1))
+        .lease_ttl(Duration::from_secs(3)) // local deadline 2 s
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
     let mut blocker = admin().await;
     let (tx, hung) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
     let e = within("close", store.close()).await.unwrap_err();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
     assert!(lease_row(&admin().await, &t).await.2 <= 0, "released anyway");
+    tokio::time::sleep(Duration::from_secs(3)).await; // Past the local deadline.
+    assert!(!hung.is_finished(), "the write still waits for the row lock");
     // A successor's takeover waits for the hung write, which commits first.
     let successor = tokio::spawn(builder(&t).open());
     tokio::time::sleep(Duration::from_millis(300)).await;

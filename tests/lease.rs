@@ -487,7 +487,9 @@ async fn takeover_after_a_wait_at_the_fence_gets_a_whole_ttl() {
     const TTL: Duration = Duration::from_secs(6); // local deadline 4 s, renewal every 2 s
     const WAIT: Duration = Duration::from_secs(3);
     let t = table("fence_wait");
-    let store = builder(&t).lease_ttl(TTL).open().await.unwrap();
+    // The old holder keeps the default TTL: its in-flight write must outlast the wait, and it
+    // would be abandoned at its own local deadline.
+    let store = builder(&t).open().await.unwrap();
     let mut blocker = admin().await;
     let (tx, write) = common::write_in_flight_on_an_expired_lease(&store, &t, &mut blocker).await;
     let db = admin().await;
