@@ -105,13 +105,26 @@ impl PgKvStore {
     }
 
     /// Like [`PgKvStore::open_with`], without blocking the caller: the returned future may be
-    /// awaited on any runtime. Dropping it cancels the opening (and stops a waiting standby).
+    /// awaited on any runtime. `open` gets a future that completes when the returned future is
+    /// dropped (an `open_until`'s `stop`), so dropping it cancels the opening (and stops a
+    /// waiting standby). The opening runs to its end all the same, keeping the facade's runtime
+    /// alive until the cancellation is done: a setup waiting on the server is cancelled there,
+    /// not left waiting by a runtime shut down under it.
     #[cfg(feature = "ldk")]
-    pub(crate) async fn open_with_async(
-        open: impl Future<Output = Result<crate::PgKvStore>> + Send + 'static,
-    ) -> Result<PgKvStore> {
+    pub(crate) async fn open_with_async<F>(
+        open: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> F,
+    ) -> Result<PgKvStore>
+    where
+        F: Future<Output = Result<Option<crate::PgKvStore>>> + Send + 'static,
+    {
         let io = IoRuntime::new()?;
-        let store = io.spawn_cancellable(open).await?;
+        let (_caller, gone) = tokio::sync::oneshot::channel::<()>();
+        let stop = Box::pin(async move {
+            let _ = gone.await; // Err once `_caller` is dropped with this future.
+        });
+        let store = io.spawn(open(stop)).await?;
+        // `None` only once stopped, i.e. when this future was dropped: nobody gets this error.
+        let store = store.ok_or(Error::Closed)?;
         Ok(PgKvStore { store, io })
     }
 
@@ -310,29 +323,6 @@ impl IoRuntime {
         self: &Arc<Self>,
         future: impl Future<Output = Result<T>> + Send + 'static,
     ) -> impl Future<Output = Result<T>> + Send + 'static {
-        self.spawn_with(future, false)
-    }
-
-    /// Like [`IoRuntime::spawn`], but dropping the returned future cancels the work: for
-    /// opening a store, where a caller that gives up (a standby that is no longer wanted) must
-    /// leave nothing running. A store opened just before the cancellation is dropped, which
-    /// releases its lease; if the cancellation lands while the opening transaction commits,
-    /// before the store exists, the lease is held by nobody and expires by its TTL (as after a
-    /// crash: safe, only slower for the next holder).
-    #[cfg(feature = "ldk")]
-    pub(crate) fn spawn_cancellable<T: Send + 'static>(
-        self: &Arc<Self>,
-        future: impl Future<Output = Result<T>> + Send + 'static,
-    ) -> impl Future<Output = Result<T>> + Send + 'static {
-        self.spawn_with(future, true)
-    }
-
-    #[cfg(feature = "ldk")]
-    fn spawn_with<T: Send + 'static>(
-        self: &Arc<Self>,
-        future: impl Future<Output = Result<T>> + Send + 'static,
-        cancel_on_drop: bool,
-    ) -> impl Future<Output = Result<T>> + Send + 'static {
         let keep_alive = Arc::clone(self);
         let task = self.handle().spawn(async move {
             let output = future.await;
@@ -340,12 +330,7 @@ impl IoRuntime {
             output
         });
         let keep_alive = Arc::clone(self);
-        // Made before the future, so it also cancels when the future is dropped unpolled.
-        // Aborting a finished task does nothing: the guard only matters if this future is
-        // dropped before the task finished.
-        let cancel = cancel_on_drop.then(|| AbortOnDrop(task.abort_handle()));
         async move {
-            let _cancel = cancel;
             let joined = task.await;
             drop(keep_alive);
             match joined {
@@ -354,17 +339,6 @@ impl IoRuntime {
                 Err(_) => Err(Error::Closed), // Cancelled: only at runtime shutdown, see block_on.
             }
         }
-    }
-}
-
-/// Aborts a task when dropped.
-#[cfg(feature = "ldk")]
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-#[cfg(feature = "ldk")]
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -1,5 +1,7 @@
 //! Failover: a standby that waits for the lease, and read-only inspection for operators.
 
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -49,8 +51,9 @@ pub enum StandbyState {
 /// one), so a graceful release (`close()` or drop of the holder, which `NOTIFY` in the same
 /// transaction) wakes it at once. After a crash it sleeps until the holder's lease expires by
 /// the database clock, and is woken early by any notification. If the LISTEN connection fails it
-/// polls at least every second and reconnects. Cancel it by dropping the `open()` future; it
-/// leaves nothing running.
+/// polls at least every second and reconnects. Cancel it by dropping the `open()` future (an
+/// attempt in progress is then cancelled in the background), or with
+/// [`Standby::open_until`], which returns once nothing of it is left running.
 #[derive(Debug)]
 pub struct Standby {
     builder: Builder,
@@ -99,28 +102,55 @@ impl Standby {
     /// Waits until the lease can be taken and opens the store. Errors other than
     /// [`Error::LeaseHeld`] and retryable connection errors end the wait.
     pub async fn open(self) -> Result<PgKvStore> {
+        self.open_until(std::future::pending()).await?.ok_or(Error::Closed)
+    }
+
+    /// [`Standby::open`], given up when `stop` completes first: `Ok(None)`, returned once an
+    /// attempt in progress is cancelled (see [`Builder::open_until`]), so nothing of the
+    /// standby is left running and the runtime may shut down right after. The
+    /// [`Standby::timeout`] gives up the same way, with [`Error::Timeout`].
+    pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.builder.validate()?;
+        let timed_out = AtomicBool::new(false);
+        let stop = async {
+            let Some(after) = self.timeout else { return stop.await };
+            tokio::select! {
+                () = stop => {}
+                () = tokio::time::sleep(after) => timed_out.store(true, Ordering::Relaxed),
+            }
+        };
+        let opened = self.wait(&table, stop).await?;
         match self.timeout {
-            None => self.wait(&table).await,
-            Some(after) => tokio::time::timeout(after, self.wait(&table))
-                .await
-                .map_err(|_| Error::Timeout { operation: "wait for lease", after })?,
+            Some(after) if opened.is_none() && timed_out.load(Ordering::Relaxed) => {
+                Err(Error::Timeout { operation: "wait for lease", after })
+            }
+            _ => Ok(opened),
         }
     }
 
-    async fn wait(&self, table: &TableName) -> Result<PgKvStore> {
+    /// The standby's loop; `None` once `stop` completed.
+    async fn wait(
+        &self,
+        table: &TableName,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<PgKvStore>> {
+        tokio::pin!(stop);
         let mut listener: Option<Listener> = None;
         loop {
             // Listen before trying, so a release between a failed attempt and the wait below
             // is not missed.
             if listener.as_ref().is_none_or(|l| l.is_closed()) {
-                listener = Listener::start(&self.builder, table).await;
+                listener = tokio::select! {
+                    listener = Listener::start(&self.builder, table) => listener,
+                    () = &mut stop => return Ok(None),
+                };
             }
-            let wait = match self.builder.clone().open().await {
-                Ok(store) => {
+            let wait = match self.builder.clone().open_until(&mut stop).await {
+                Ok(None) => return Ok(None),
+                Ok(Some(store)) => {
                     self.progress
                         .send_replace(StandbyState::Acquired { epoch: store.fencing_token() });
-                    return Ok(store);
+                    return Ok(Some(store));
                 }
                 Err(Error::LeaseHeld { holder, epoch, expires_in, .. }) => {
                     tracing::debug!(%holder, epoch, ?expires_in, "pgfence standby waiting");
@@ -134,9 +164,15 @@ impl Standby {
                 Err(e) => return Err(e),
             };
             let wait = if listener.is_some() { wait } else { wait.min(MAX_POLL) };
-            match &mut listener {
-                Some(l) => l.wait(wait).await,
-                None => tokio::time::sleep(wait).await,
+            let woken = async {
+                match &mut listener {
+                    Some(l) => l.wait(wait).await,
+                    None => tokio::time::sleep(wait).await,
+                }
+            };
+            tokio::select! {
+                () = woken => {}
+                () = &mut stop => return Ok(None),
             }
         }
     }

@@ -79,7 +79,9 @@ impl LdkStore {
     /// Opens the store without blocking; the future may be awaited on any runtime. The store
     /// itself still runs on a runtime of its own (see the [module docs](self)).
     pub async fn open_async(builder: Builder) -> Result<LdkStore> {
-        Ok(LdkStore { inner: blocking::PgKvStore::open_with_async(builder.open()).await? })
+        Ok(LdkStore {
+            inner: blocking::PgKvStore::open_with_async(|stop| builder.open_until(stop)).await?,
+        })
     }
 
     /// A standby node: waits until the lease can be taken, then opens the store (see
@@ -92,7 +94,9 @@ impl LdkStore {
     /// store. Start LDK only once this returns. Dropping the future stops the standby and
     /// leaves nothing running.
     pub async fn open_standby_async(standby: Standby) -> Result<LdkStore> {
-        Ok(LdkStore { inner: blocking::PgKvStore::open_with_async(standby.open()).await? })
+        Ok(LdkStore {
+            inner: blocking::PgKvStore::open_with_async(|stop| standby.open_until(stop)).await?,
+        })
     }
 
     /// The blocking facade this store is built on, for the store's own API (`lease_info`,

@@ -890,13 +890,42 @@ impl Builder {
     /// Dropping the returned future cancels the setup if it is still waiting (for the setup
     /// lock of a concurrent `open()`, or at the fence for the old holder's in-flight writes):
     /// nothing is committed and the lease is never taken later. If the commit was already
-    /// sent, the store is opened and dropped, which releases the lease.
+    /// sent, the store is opened and dropped, which releases the lease. That cancellation runs
+    /// on in the background, on the current runtime; to give up and know it is done (before
+    /// the runtime shuts down, say), use [`Builder::open_until`].
     pub async fn open(self) -> Result<PgKvStore> {
+        self.open_until(std::future::pending()).await?.ok_or(Error::Closed)
+    }
+
+    /// [`Builder::open`], given up when `stop` completes first: a setup still waiting is
+    /// cancelled (nothing committed, the lease never taken later), and a store whose commit
+    /// was already sent is closed, which releases its lease. `Ok(None)` then, returned only
+    /// once all that is done: nothing of this opening is left running, on the server or on the
+    /// runtime, so the runtime may shut down right after (at process exit, say). `stop` is,
+    /// for example, a signal, a shutdown channel or a timer.
+    pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.validate()?;
-        // Dropped with this future: tells the task that nobody waits for the store any more.
-        let (_caller, gone) = oneshot::channel::<()>();
+        // Dropped when the caller gives up: tells the task that nobody waits for the store.
+        let (caller, gone) = oneshot::channel::<()>();
         let opening = self.open_here(table, gone).instrument(tracing::Span::current());
-        detached(opening, || Error::Closed).await
+        let opening = detached(opening, || Error::Closed);
+        tokio::pin!(opening);
+        tokio::select! {
+            biased;
+            opened = &mut opening => opened.map(Some),
+            () = stop => {
+                drop(caller);
+                match opening.await {
+                    Ok(store) => {
+                        if let Err(e) = store.close().await {
+                            tracing::warn!(error = %e, "pgfence open stopped after its commit; releasing failed");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "pgfence open stopped"),
+                }
+                Ok(None)
+            }
+        }
     }
 
     async fn open_here(

@@ -584,6 +584,48 @@ fn second_signal_exits_at_once_without_releasing() {
     runtime.block_on(blocker.batch_execute("ROLLBACK")).expect("let the row go");
 }
 
+/// SIGTERM while `hold` waits at the fence to take a free lease (a session of the old holder's
+/// still holds the lease row, as a write in flight does) ends it at once with 0, before it
+/// ever held the lease, with `--wait` and without, and leaves nothing waiting on the server:
+/// its setup is cancelled there before the process exits, so it never takes the lease later.
+#[test]
+fn signal_while_waiting_at_the_fence_exits_and_leaves_nothing_behind() {
+    let (url, table) = (server().url(), unique_name("cli_fence"));
+    run(&url, &table, &["put", "n", "s", "k", "v"], None).expect(0, "create the table");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let blocker = runtime.block_on(async {
+        let (client, connection) = server().config().connect(NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        let lock = format!("BEGIN; SELECT 1 FROM \"{table}_lease\" WHERE id = 1 FOR KEY SHARE");
+        client.batch_execute(&lock).await.expect("lock the lease row");
+        client
+    });
+    let at_the_fence = format!(
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+           AND query LIKE '%INSERT INTO \"{table}_lease\"%'"
+    );
+    for (name, args) in [("plain", &["--ttl", "30"][..]), ("standby", &["--ttl", "30", "--wait"])] {
+        let mut h = Holder::spawn(name, &url, &table, args);
+        let deadline = Instant::now() + GUARD;
+        while query(&server().config(), &at_the_fence).is_empty() {
+            assert!(Instant::now() < deadline, "{name} never waited at the fence");
+            thread::sleep(Duration::from_millis(20));
+        }
+        h.guard.signal("TERM");
+        assert_eq!(h.exit_code(), Some(0), "{name}: {}", h.stderr());
+        assert!(h.events().iter().all(|e| e.kind() != "acquired"), "{name}: {:?}", h.events());
+        // The cancel request was sent before the exit; the server acts on it at once.
+        while !query(&server().config(), &at_the_fence).is_empty() {
+            assert!(Instant::now() < deadline, "{name} left its setup waiting at the fence");
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+    runtime.block_on(blocker.batch_execute("COMMIT")).expect("let the lease row go");
+    let status = run(&url, &table, &["status", "--json"], None);
+    let status: Value = serde_json::from_slice(&status.expect(0, "status").stdout).unwrap();
+    assert_eq!(status["epoch"].as_i64(), Some(1), "nobody took the lease after put: {status}");
+}
+
 /// Scenario 5: a restart of the database (pg_ctl restart) shorter than the local deadline while
 /// A holds: A keeps its lease and its epoch, and keeps writing.
 #[test]

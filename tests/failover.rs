@@ -101,29 +101,12 @@ async fn standby_timeout_is_a_typed_error() {
     active.close().await.unwrap();
 }
 
-async fn sessions_of(app: &str) -> i64 {
-    admin()
-        .await
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-            &[&format!("pgfence {app}")],
-        )
-        .await
-        .unwrap()
-        .get(0)
-}
-
 /// Drops the standby's `open()` future (aborting the task that runs it) and waits until every
 /// session of the standby named `app` is gone.
 async fn drop_and_wait_until_gone(standby: JoinHandle<pgfence::Result<PgKvStore>>, app: &str) {
     standby.abort();
     assert!(standby.await.unwrap_err().is_cancelled());
-    within("the standby's sessions gone", async {
-        while sessions_of(app).await > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    common::wait_until_no_sessions(app).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,7 +115,7 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     let active = standby_builder(&t, "active").open().await.unwrap();
     let app = format!("sb-{t}");
     let (waiting, _progress) = waiting_standby(&t, &app).await;
-    assert!(sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
+    assert!(common::sessions_of(&app).await >= 1, "the standby listens on a connection of its own");
     drop_and_wait_until_gone(waiting, &app).await;
     active.close().await.unwrap();
 }
@@ -313,4 +296,61 @@ async fn inspector_reads_without_the_lease_and_force_releases() {
     let next = builder(&t).open().await.unwrap();
     assert_eq!(next.fencing_token(), 2);
     next.close().await.unwrap();
+}
+
+/// `open_until` gives up when its `stop` completes, and returns only once the attempt is
+/// cancelled on the server: here each attempt waits at the fence, on a runtime of its own that
+/// is shut down the moment `open_until` returns, and still nothing is left waiting, and nobody
+/// takes the lease later. The same for a standby stopped, or timed out, at the fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_until_stopped_leaves_nothing_even_when_its_runtime_ends_at_once() {
+    #[derive(Debug, Clone, Copy)]
+    enum How {
+        Open,
+        Standby,
+        StandbyTimeout,
+    }
+    let t = table("until");
+    let mut blocker = admin().await;
+    let tx = common::fence_closed(&mut blocker, &t).await;
+    for how in [How::Open, How::Standby, How::StandbyTimeout] {
+        let app = format!("until-{how:?}-{t}");
+        let builder = standby_builder(&t, &app);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let attempt = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            let stop = async {
+                let _ = stopped.await;
+            };
+            let opened = runtime.block_on(async move {
+                match how {
+                    How::Open => builder.open_until(stop).await,
+                    How::Standby => builder.standby().open_until(stop).await,
+                    How::StandbyTimeout => {
+                        builder.standby().timeout(Duration::from_secs(3)).open().await.map(Some)
+                    }
+                }
+            });
+            drop(runtime); // At once: nothing it still ran could send a cancel request now.
+            opened
+        });
+        common::wait_for_app_lock_wait(&app).await;
+        drop(stop);
+        let opened = within("open_until", tokio::task::spawn_blocking(move || attempt.join()))
+            .await
+            .unwrap()
+            .unwrap();
+        match how {
+            How::StandbyTimeout => {
+                let e = opened.unwrap_err();
+                assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+            }
+            _ => assert!(opened.unwrap().is_none(), "{how:?} stopped"),
+        }
+        common::wait_until_no_sessions(&app).await;
+    }
+    tx.commit().await.unwrap();
+    let (_, epoch, ms_left) = common::lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 1, "nobody took the lease");
+    assert!(ms_left <= 0, "nobody holds it");
 }

@@ -462,3 +462,30 @@ async fn dropped_standby_leaves_nothing_waiting() {
     assert_eq!(next.fencing_token(), epoch + 1, "nobody acquired the lease in between");
     next.close_async().await.unwrap();
 }
+
+/// Giving up on `open_async` or `open_standby_async` (here by aborting the task awaiting it)
+/// while the setup waits at the fence shuts the facade's runtime down with it, yet leaves
+/// nothing waiting on the server: the setup is cancelled there first. Nobody takes the lease
+/// later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_async_open_at_the_fence_leaves_nothing_running() {
+    let t = common::table("ldkfence");
+    let mut blocker = common::admin().await;
+    let tx = common::fence_closed(&mut blocker, &t).await;
+    for standby in [false, true] {
+        let app = format!("ldkfence-{standby}-{t}");
+        let builder = common::builder(&t).application_name(&app);
+        let opening = if standby {
+            tokio::spawn(LdkStore::open_standby_async(builder.standby()))
+        } else {
+            tokio::spawn(LdkStore::open_async(builder))
+        };
+        common::wait_for_app_lock_wait(&app).await;
+        opening.abort();
+        assert!(opening.await.unwrap_err().is_cancelled());
+        common::wait_until_no_sessions(&app).await;
+    }
+    tx.commit().await.unwrap();
+    let (_, epoch, ms_left) = common::lease_row(&common::admin().await, &t).await;
+    assert_eq!((epoch, ms_left <= 0), (1, true), "nobody took the lease");
+}

@@ -604,10 +604,13 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
     // DB expiry.
     let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
 
-    let store = if args.wait {
+    // A signal before the lease is taken gives up the opening: `open_until` returns once a
+    // setup still waiting (at the fence for the old holder's writes, say) is cancelled on the
+    // server, so the exit leaves nothing behind; exit 0, the lease never held.
+    let opened = if args.wait {
         let standby = builder.standby();
         let mut progress = standby.progress();
-        let opening = standby.open();
+        let opening = standby.open_until(signals.recv());
         tokio::pin!(opening);
         loop {
             tokio::select! {
@@ -623,13 +626,12 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
                         }));
                     }
                 }
-                // Stopped while standing by: dropping the standby leaves nothing behind.
-                () = signals.recv() => return Ok(()),
             }
         }
     } else {
-        builder.open().await?
+        builder.open_until(signals.recv()).await?
     };
+    let Some(store) = opened else { return Ok(()) };
     let epoch = store.fencing_token();
     emit(json!({ "event": "acquired", "epoch": epoch, "owner_id": store.owner_id().to_string() }));
 

@@ -122,6 +122,40 @@ pub async fn lock_lease_row<'a>(
     lock_row(client, &sql, &[]).await
 }
 
+/// A table whose lease is free, and a transaction on `client` that holds its lease row `FOR
+/// KEY SHARE`, as an old holder's write in flight does: every `open()` waits at the fence until
+/// the transaction ends.
+pub async fn fence_closed<'a>(
+    client: &'a mut tokio_postgres::Client,
+    table: &str,
+) -> tokio_postgres::Transaction<'a> {
+    open(table).await.close().await.unwrap();
+    lock_lease_row(client, table, "FOR KEY SHARE").await
+}
+
+/// How many server sessions a store configured with `application_name(app)` has.
+pub async fn sessions_of(app: &str) -> i64 {
+    let sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
+    admin().await.query_one(sql, &[&format!("pgfence {app}")]).await.unwrap().get(0)
+}
+
+/// Waits until a session of a store configured with `application_name(app)` waits on a lock.
+pub async fn wait_for_app_lock_wait(app: &str) {
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+                AND application_name = $1";
+    wait_for_row("lock wait", sql, &[&format!("pgfence {app}")]).await
+}
+
+/// Waits until no session of a store configured with `application_name(app)` is left.
+pub async fn wait_until_no_sessions(app: &str) {
+    within(&format!("the sessions of {app} gone"), async {
+        while sessions_of(app).await > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
+
 /// Begins a transaction on `client` that holds the row of `key` in `table` `FOR UPDATE`, so
 /// that a write of that key blocks inside its statement, after its lease check. Roll it back
 /// or commit it to let go.
