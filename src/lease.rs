@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
@@ -84,10 +84,14 @@ impl Lease {
         self.state.subscribe()
     }
 
+    /// The local deadline, on [`clock`].
+    fn deadline(&self) -> Duration {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Time left until the local deadline; zero once it has passed.
     fn remaining(&self) -> Duration {
-        let deadline = *self.deadline.lock().unwrap_or_else(|e| e.into_inner());
-        deadline.saturating_sub(clock())
+        self.deadline().saturating_sub(clock())
     }
 
     /// Ok while the lease is neither lost nor past its local deadline. Every operation calls
@@ -238,6 +242,66 @@ mod tests {
         let lost = LeaseState::Lost { epoch: 7, reason: LossReason::TakenOver };
         assert_eq!(published(&lost_first), lost);
     }
+
+    /// The renewal thread never sleeps longer than `MAX_NAP`, however far away its next
+    /// renewal is, and decides from the times alone: after a suspend that outlasted the
+    /// deadline (the clock jumped past it) it loses the lease; after a shorter one that
+    /// outlasted the renewal interval, it renews at once.
+    #[test]
+    fn renewal_thread_wakes_at_least_every_second_and_decides_from_the_clock() {
+        let s = Duration::from_secs;
+        let (next_renewal, deadline) = (s(110), s(120));
+        assert_eq!(step(s(100), next_renewal, deadline), Step::Sleep(MAX_NAP));
+        assert_eq!(step(s(109) + MAX_NAP / 2, next_renewal, deadline), Step::Sleep(MAX_NAP / 2));
+        assert_eq!(step(s(115), next_renewal, deadline), Step::Renew);
+        assert_eq!(step(s(120), next_renewal, deadline), Step::Lose);
+        assert_eq!(step(s(500), next_renewal, deadline), Step::Lose);
+        // A renewal due after the deadline (a suspend in between): the sleep ends at the deadline.
+        let ms = Duration::from_millis;
+        assert_eq!(step(s(120) - ms(300), s(130), deadline), Step::Sleep(ms(300)));
+    }
+
+    /// A renewal thread whose database cannot be reached (nothing listens on port 1).
+    fn unreachable(renew_interval: Duration) -> KeeperConfig {
+        let mut config = tokio_postgres::Config::new();
+        config.host("127.0.0.1").port(1).user("nobody");
+        KeeperConfig {
+            connector: Connector::Config(Box::new(config), Tls::default()),
+            renew_sql: "SELECT 1".into(),
+            release_sql: "SELECT 1".into(),
+            notify_channel: "c".into(),
+            ttl: renew_interval * 3,
+            renew_interval,
+            connect_timeout: Duration::from_secs(1),
+            release_timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// The renewal thread publishes a passed deadline about when it passes, not when its timer
+    /// for the next renewal fires: here that renewal is a minute after a deadline 1.5 s away,
+    /// as it is in effect after a suspend (which stops tokio's timers, not [`clock`]) that
+    /// outlasts the deadline. A suspend itself cannot be made here; this is its effect on the
+    /// loop. Nothing is sent before the loss (there is no server; only the release after the
+    /// loss tries one, and fails).
+    #[tokio::test]
+    async fn passed_deadline_is_published_without_waiting_for_the_renewal_timer() {
+        let deadline_after = Duration::from_millis(1500);
+        let policy = LeaseLossPolicy::FailClosed;
+        let lease =
+            Arc::new(Lease::new(Uuid::nil(), 7, "t".into(), clock(), deadline_after, policy));
+        let keeper =
+            Keeper::spawn(Arc::clone(&lease), unreachable(Duration::from_secs(60))).unwrap();
+        let lost = LeaseState::Lost { epoch: 7, reason: LossReason::DeadlinePassed };
+        let mut state = lease.subscribe();
+        tokio::time::timeout(Duration::from_secs(30), state.wait_for(|s| *s == lost))
+            .await
+            .expect("published long before the renewal timer (60 s)")
+            .unwrap();
+        let late = clock().saturating_sub(lease.deadline());
+        assert!(late < Duration::from_secs(3), "published {late:?} after the deadline");
+        assert!(keeper.shutdown().await.is_err(), "nothing to release to");
+        assert_eq!(published(&lease), lost);
+    }
 }
 
 /// The clock of the local deadline: time since boot, counting time the machine spent suspended
@@ -253,8 +317,8 @@ pub(crate) fn clock() -> Duration {
     }
     #[cfg(not(any(target_os = "linux", target_os = "android")))]
     {
-        static BASE: OnceLock<Instant> = OnceLock::new();
-        BASE.get_or_init(Instant::now).elapsed()
+        static BASE: OnceLock<std::time::Instant> = OnceLock::new();
+        BASE.get_or_init(std::time::Instant::now).elapsed()
     }
 }
 
@@ -382,78 +446,120 @@ impl Keeper {
     }
 }
 
+/// The longest the renewal thread sleeps. Its timers are tokio's, on the monotonic clock,
+/// which stops while the machine is suspended; the local deadline is on [`clock`], which does
+/// not. Waking at least this often (only to read the clock: no SQL), the thread sends a renewal
+/// that came due, or publishes a deadline that passed, during a suspend within about this long
+/// after the resume.
+const MAX_NAP: Duration = Duration::from_secs(1);
+
+/// What the renewal thread does when it wakes while the lease is held.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// The local deadline has passed: the lease is lost (`DeadlinePassed`).
+    Lose,
+    /// A renewal is due.
+    Renew,
+    /// Nothing is due: sleep this long, then decide again.
+    Sleep(Duration),
+}
+
+/// The decision, from the times alone (all on [`clock`]): `now`, the next renewal and the local
+/// deadline. A sleep ends at the deadline or the renewal, whichever comes first, and never
+/// lasts longer than [`MAX_NAP`], whatever a timer would say after a suspend.
+fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
+    if now >= deadline {
+        Step::Lose
+    } else if now >= next_renewal {
+        Step::Renew
+    } else {
+        Step::Sleep((next_renewal.min(deadline) - now).min(MAX_NAP))
+    }
+}
+
 /// The renewal loop. Renews every `renew_interval` measured from the start of the previous
 /// confirmed renewal; a failed attempt is retried about every second until the local deadline,
-/// where the lease is declared lost. Missed ticks are skipped, never burst (sleeping until a
-/// computed instant, rather than a default tokio `interval`, gives exactly that).
+/// where the lease is declared lost. Missed renewals are skipped, never burst. Every time is on
+/// [`clock`] and the thread wakes at least every [`MAX_NAP`], so the deadline is published
+/// (`DeadlinePassed`) within about a second of passing, also after a suspend, and also while a
+/// renewal attempt still waits for the server.
 ///
 /// When renewal finds the lease lost it releases at once (by owner id: harmless if the lease
 /// is already someone else's, and a standby need not wait out the TTL when it is not), then
 /// applies the loss policy, then waits for the store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
-    let retry_every = config.renew_interval.min(Duration::from_secs(1));
+    let retry_every = config.renew_interval.min(MAX_NAP);
+    let quick = config.release_timeout.min(Duration::from_secs(2));
     let mut state = lease.subscribe();
     let mut session: Option<Session> = None;
+    let mut next_renewal = clock() + config.renew_interval;
     let mut released = false;
-    let mut next = Instant::now() + config.renew_interval;
     let reply = loop {
-        if lease.is_lost() && !released {
+        let now = clock();
+        if lease.is_lost() {
             // Lost, whoever found it (an operation or renewal): give the row up now, by owner
             // id, so a standby need not wait out the TTL. Never renew again.
-            let quick = config.release_timeout.min(Duration::from_secs(2));
-            released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+            if !released {
+                released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+            }
+            break stop.recv().await;
         }
-        let wake = if lease.is_lost() { None } else { Some(next) };
-        tokio::select! {
-            biased;
-            reply = stop.recv() => break reply,
-            changed = state.changed(), if !lease.is_lost() => {
-                let _ = changed; // The sender lives in `lease`, held here: never closed.
+        let found = match step(now, next_renewal, lease.deadline()) {
+            Step::Lose => LossReason::DeadlinePassed,
+            Step::Sleep(nap) => {
+                tokio::select! {
+                    biased;
+                    reply = stop.recv() => break reply,
+                    changed = state.changed() => {
+                        let _ = changed; // The sender lives in `lease`, held here: never closed.
+                    }
+                    () = tokio::time::sleep(nap) => {}
+                }
                 continue;
             }
-            _ = sleep_until(wake) => {}
-        }
-        let started = (Instant::now(), clock());
-        let left = lease.remaining();
-        let lost = if left.is_zero() {
-            Some(LossReason::DeadlinePassed)
-        } else {
-            let attempt = config.renew_interval.min(left);
-            let outcome = tokio::select! {
-                biased;
-                reply = stop.recv() => break reply,
-                outcome = tokio::time::timeout(attempt, renew(&config, &lease, &mut session)) => outcome,
-            };
-            match outcome {
-                Ok(Ok(true)) => {
-                    lease.confirmed(started.1);
-                    tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
-                    next = started.0 + config.renew_interval;
-                    None
-                }
-                Ok(Ok(false)) => Some(LossReason::TakenOver),
-                Ok(Err(error)) => {
-                    session = None; // Reconnect next time; the old connection may be broken.
-                    tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
-                        "pgfence lease renewal failed; retrying until the local deadline");
-                    next = Instant::now() + retry_every;
-                    None
-                }
-                Err(_) => {
-                    session = None;
-                    tracing::warn!(table = %lease.table, epoch = lease.epoch, ?attempt,
-                        "pgfence lease renewal timed out; retrying until the local deadline");
-                    next = Instant::now() + retry_every;
-                    None
+            Step::Renew => {
+                let started = clock();
+                // Raced with the deadline rather than timed out at it: the deadline is on
+                // `clock`, a timeout on tokio's timer, which a suspend stops.
+                let outcome = tokio::select! {
+                    biased;
+                    reply = stop.recv() => break reply,
+                    () = lease.deadline_passed() => None,
+                    outcome = tokio::time::timeout(config.renew_interval, renew(&config, &lease, &mut session)) => Some(outcome),
+                };
+                match outcome {
+                    Some(Ok(Ok(true))) => {
+                        lease.confirmed(started);
+                        tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
+                        next_renewal = started + config.renew_interval;
+                        continue;
+                    }
+                    Some(Ok(Ok(false))) => LossReason::TakenOver,
+                    Some(Ok(Err(error))) => {
+                        session = None; // Reconnect next time; the old connection may be broken.
+                        tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                            "pgfence lease renewal failed; retrying until the local deadline");
+                        next_renewal = clock() + retry_every;
+                        continue;
+                    }
+                    Some(Err(_)) => {
+                        session = None;
+                        tracing::warn!(table = %lease.table, epoch = lease.epoch, timeout = ?config.renew_interval,
+                            "pgfence lease renewal timed out; retrying until the local deadline");
+                        next_renewal = clock() + retry_every;
+                        continue;
+                    }
+                    None => {
+                        session = None; // Still waiting for the server: that connection is useless.
+                        LossReason::DeadlinePassed
+                    }
                 }
             }
         };
-        if let Some(reason) = lost {
-            lease.lose(reason);
-            let quick = config.release_timeout.min(Duration::from_secs(2));
-            released = release_within(&config, &lease, &mut session, quick).await.is_ok();
-            let _ = lease.enforce_policy(); // Panic or Abort end here; FailClosed goes on.
-        }
+        lease.lose(found);
+        // Released before the policy applies: Panic ends this thread, Abort the process.
+        released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+        let _ = lease.enforce_policy(); // Panic or Abort end here; FailClosed goes on.
     };
     // `None`: every handle is gone without asking; release all the same.
     let result = if released {
@@ -485,13 +591,6 @@ async fn release_within(
             "pgfence lease release failed; the lease expires by TTL");
     }
     result
-}
-
-async fn sleep_until(when: Option<Instant>) {
-    match when {
-        Some(when) => tokio::time::sleep_until(when.into()).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// The renewal thread's connection, with the renewal statement prepared once.
