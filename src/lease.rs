@@ -484,25 +484,63 @@ fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
 /// (`DeadlinePassed`) within about a second of passing, also after a suspend, and also while a
 /// renewal attempt still waits for the server.
 ///
-/// When renewal finds the lease lost it releases at once (by owner id: harmless if the lease
-/// is already someone else's, and a standby need not wait out the TTL when it is not), then
-/// applies the loss policy, then waits for the store to shut it down.
+/// Once the lease is lost, whoever found it (renewal or an operation), no renewal is sent any
+/// more (one that has started to connect is not sent), and the lease is released by owner id:
+/// harmless if the lease is already someone else's, and a standby need not wait out the TTL
+/// when it is not. A release that fails (the network still down, say) is retried about every
+/// second until one succeeds, or until the database's expiry of the lease has certainly passed
+/// (then there is nothing left to release): a holder that regains the network hands over about
+/// a second later instead of at the expiry. A loss that renewal found applies the loss policy
+/// after the first release attempt. Then the thread waits for the store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
     let retry_every = config.renew_interval.min(MAX_NAP);
     let quick = config.release_timeout.min(Duration::from_secs(2));
     let mut state = lease.subscribe();
     let mut session: Option<Session> = None;
     let mut next_renewal = clock() + config.renew_interval;
+    // The first release attempt after a loss found by an operation goes at once.
+    let mut next_release = Duration::ZERO;
     let mut released = false;
+    // Until when a release can still matter: the database's expiry of our lease is one TTL
+    // after the last renewal statement that ran (or the acquisition, committed before this
+    // thread started), and a renewal's statement runs before its attempt ends (its answer
+    // arrives, or this thread gives up on it and drops its connection). So this bound is one
+    // TTL after the last attempt ended, not after the last confirmed one started: an attempt
+    // that timed out may still have extended the lease. A statement that runs later still
+    // (held up in the network, or on the server by a lock on the lease row) can outlast the
+    // bound; if every release fails until then, the lease expires by TTL, as it did without
+    // these retries. Only how soon a standby gets in depends on this, never fencing.
+    let mut expiry_bound = clock() + config.ttl;
     let reply = loop {
         let now = clock();
         if lease.is_lost() {
-            // Lost, whoever found it (an operation or renewal): give the row up now, by owner
-            // id, so a standby need not wait out the TTL. Never renew again.
-            if !released {
-                released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+            if released || now >= expiry_bound {
+                if !released {
+                    tracing::error!(table = %lease.table, epoch = lease.epoch,
+                        "pgfence lease release kept failing until the lease's database expiry; stopped trying");
+                }
+                break stop.recv().await;
             }
-            break stop.recv().await;
+            if now < next_release {
+                let nap = (next_release - now).min(MAX_NAP);
+                tokio::select! {
+                    biased;
+                    reply = stop.recv() => break reply,
+                    () = tokio::time::sleep(nap) => continue,
+                }
+            }
+            next_release = now + retry_every;
+            let result = tokio::select! {
+                biased;
+                reply = stop.recv() => break reply,
+                result = release_within(&config, &lease, &mut session, quick) => result,
+            };
+            released = result.is_ok();
+            if let Err(error) = result {
+                tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                    "pgfence lease release failed; retrying about every second until the lease's database expiry");
+            }
+            continue;
         }
         let found = match step(now, next_renewal, lease.deadline()) {
             Step::Lose => LossReason::DeadlinePassed,
@@ -527,14 +565,16 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                     () = lease.deadline_passed() => None,
                     outcome = tokio::time::timeout(config.renew_interval, renew(&config, &lease, &mut session)) => Some(outcome),
                 };
+                expiry_bound = clock() + config.ttl;
                 match outcome {
-                    Some(Ok(Ok(true))) => {
+                    Some(Ok(Ok(Renewal::Extended))) => {
                         lease.confirmed(started);
                         tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
                         next_renewal = started + config.renew_interval;
                         continue;
                     }
-                    Some(Ok(Ok(false))) => LossReason::TakenOver,
+                    Some(Ok(Ok(Renewal::NotSent))) => continue, // Lost meanwhile: release.
+                    Some(Ok(Ok(Renewal::NotOurs))) => LossReason::TakenOver,
                     Some(Ok(Err(error))) => {
                         session = None; // Reconnect next time; the old connection may be broken.
                         tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
@@ -558,7 +598,13 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
         };
         lease.lose(found);
         // Released before the policy applies: Panic ends this thread, Abort the process.
-        released = release_within(&config, &lease, &mut session, quick).await.is_ok();
+        let result = release_within(&config, &lease, &mut session, quick).await;
+        released = result.is_ok();
+        if let Err(error) = result {
+            tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                "pgfence lease release failed; retrying about every second until the lease's database expiry");
+        }
+        next_release = clock() + retry_every;
         let _ = lease.enforce_policy(); // Panic or Abort end here; FailClosed goes on.
     };
     // `None`: every handle is gone without asking; release all the same.
@@ -567,8 +613,10 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     } else {
         release_within(&config, &lease, &mut session, config.release_timeout).await
     };
-    if result.is_ok() {
-        lease.released();
+    match &result {
+        Ok(()) => lease.released(),
+        Err(error) => tracing::error!(table = %lease.table, epoch = lease.epoch, %error,
+            "pgfence lease release failed; the lease expires by TTL"),
     }
     if let Some(reply) = reply {
         reply(result);
@@ -583,14 +631,9 @@ async fn release_within(
     session: &mut Option<Session>,
     limit: Duration,
 ) -> Result<()> {
-    let result = tokio::time::timeout(limit, release(config, lease, session))
+    tokio::time::timeout(limit, release(config, lease, session))
         .await
-        .unwrap_or(Err(Error::Timeout { operation: "release", after: limit }));
-    if let Err(e) = &result {
-        tracing::error!(table = %lease.table, epoch = lease.epoch, error = %e,
-            "pgfence lease release failed; the lease expires by TTL");
-    }
-    result
+        .unwrap_or(Err(Error::Timeout { operation: "release", after: limit }))
 }
 
 /// The renewal thread's connection, with the renewal statement prepared once.
@@ -623,13 +666,28 @@ async fn connected<'a>(
     Ok(session.as_ref().expect("connected above"))
 }
 
-/// One renewal attempt: true when the database extended our lease.
+/// What one renewal attempt found.
+enum Renewal {
+    /// The database extended our lease.
+    Extended,
+    /// No row: the lease is no longer ours (or already expired).
+    NotOurs,
+    /// Not sent: the lease was found lost (by an operation) while connecting.
+    NotSent,
+}
+
 async fn renew(
     config: &KeeperConfig,
     lease: &Lease,
     session: &mut Option<Session>,
-) -> Result<bool> {
+) -> Result<Renewal> {
     let session = connected(config, session).await?;
+    // Checked after connecting (several round trips), right before sending: a renewal of a
+    // lease already lost would extend it in the database by a whole TTL, for nothing, and a
+    // release that then fails would leave a standby waiting that much longer.
+    if lease.is_lost() {
+        return Ok(Renewal::NotSent);
+    }
     let ttl_ms = config.ttl.as_millis() as i64;
     let rows = session
         .conn
@@ -637,7 +695,7 @@ async fn renew(
         .query(&session.renew, &[&lease.owner_id, &ttl_ms])
         .await
         .map_err(Error::db("renew lease"))?;
-    Ok(!rows.is_empty())
+    Ok(if rows.is_empty() { Renewal::NotOurs } else { Renewal::Extended })
 }
 
 async fn release(

@@ -546,6 +546,53 @@ async fn blocked_renewal_fails_closed_before_database_expiry() {
     assert!(store.read("d", "s", "k").await.unwrap_err().is_lease_lost());
 }
 
+/// A holder cut off from the database loses its lease at the local deadline, and keeps
+/// trying to release it (by owner id, about every second) while the network is down: once it
+/// is back, a standby takes over within about a second, long before the lost lease's expiry in
+/// the database (read from the lease row), instead of waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_is_released_once_the_network_returns() {
+    let t = table("lostrelease");
+    let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
+    // A local deadline far ahead of the database expiry (5 s of 30 s), so that a takeover at
+    // the expiry and one right after the network returns are far apart.
+    let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .local_deadline(Duration::from_secs(5))
+        .renew_interval(Duration::from_secs(2))
+        .open()
+        .await
+        .unwrap();
+    proxy.set_refuse(true);
+    proxy.cut_all();
+    common::wait_until_lost(&holder).await;
+    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed };
+    assert_eq!(*holder.lease_state().borrow(), lost);
+    tokio::time::sleep(Duration::from_secs(3)).await; // Several release attempts, all refused.
+
+    let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;
+    assert_eq!(owner, holder.owner_id(), "not released while the network is down");
+    let expiry = Duration::from_millis(u64::try_from(expires_in_ms).unwrap_or(0));
+    assert!(
+        expiry > Duration::from_secs(10),
+        "the lost lease is valid in the database: {expiry:?}"
+    );
+    let back = std::time::Instant::now();
+    proxy.set_refuse(false);
+    let standby =
+        within("takeover", builder(&t).lease_ttl(Duration::from_secs(30)).standby().open())
+            .await
+            .unwrap();
+    let took = back.elapsed();
+    println!("takeover {took:?} after the network returned; the lost lease had {expiry:?} left");
+    assert!(took < expiry / 2, "released by the holder, not expired: {took:?} of {expiry:?}");
+    assert_eq!(standby.fencing_token(), 2);
+    assert_eq!(*holder.lease_state().borrow(), lost, "the loss stays published");
+    standby.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panic_policy_panics_in_the_calling_task() {
     let t = table("panic");
