@@ -35,8 +35,9 @@ use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, mpsc};
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -227,18 +228,19 @@ impl PgKvStore {
 
     /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
     /// returns the lease state then: [`LeaseState::Lost`] or [`LeaseState::Released`] if the
-    /// lease ended, [`LeaseState::Held`] on timeout. A watchdog thread calls this in a loop and
-    /// stops the application when it returns anything but `Held`.
+    /// lease ended, [`LeaseState::Held`] on timeout. For a watchdog thread, take a
+    /// [`PgKvStore::lease_watch`] instead: a store handle kept by the watchdog would keep the
+    /// lease alive after the application dropped its own.
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
-        // The waiting task holds only the receiver, never the store: an abandoned wait can not
-        // keep the lease alive after the last handle is dropped.
-        let mut state = self.store.lease_state();
-        let _ = self.io.block_on(async move {
-            let ended = state.wait_for(|s| !matches!(s, LeaseState::Held { .. }));
-            let _ = tokio::time::timeout(timeout, ended).await;
-            Ok(())
-        });
-        self.store.lease_state().borrow().clone()
+        self.lease_watch().wait_while_held(timeout)
+    }
+
+    /// A watcher of the lease that holds no store: a watchdog thread takes one, waits in
+    /// [`LeaseWatch::wait_while_held`], and stops the application when the lease leaves `Held`.
+    /// Unlike a store handle, it does not keep the lease alive: when the application drops its
+    /// last handle, the lease is released and the watchdog sees `Released`.
+    pub fn lease_watch(&self) -> LeaseWatch {
+        LeaseWatch(self.store.lease_state())
     }
 
     /// The lease row as the database sees it now (holder, epoch, time left).
@@ -253,6 +255,52 @@ impl PgKvStore {
     pub fn close(&self) -> Result<()> {
         let store = self.store.clone();
         self.io.block_on(async move { store.close().await })
+    }
+}
+
+/// The state of a store's lease, watched without holding the store (see
+/// [`PgKvStore::lease_watch`]). Cheap to clone; `Send`, for a watchdog thread.
+#[derive(Debug, Clone)]
+pub struct LeaseWatch(watch::Receiver<LeaseState>);
+
+impl LeaseWatch {
+    /// The state now.
+    pub fn state(&self) -> LeaseState {
+        self.0.borrow().clone()
+    }
+
+    /// Blocks the calling thread while the lease is held, at most `timeout` (`Duration::MAX`:
+    /// no limit), and returns the state then: [`LeaseState::Lost`] or [`LeaseState::Released`]
+    /// if the lease ended (the latter also once the store is gone), [`LeaseState::Held`] on
+    /// timeout. Needs no runtime: the thread parks until the state changes.
+    pub fn wait_while_held(&mut self, timeout: Duration) -> LeaseState {
+        let until = Instant::now().checked_add(timeout);
+        let waker = Waker::from(Arc::new(Unpark(thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        {
+            let mut ended =
+                std::pin::pin!(self.0.wait_for(|s| !matches!(s, LeaseState::Held { .. })));
+            // An error only once the store is gone; its last state is kept all the same.
+            while ended.as_mut().poll(&mut cx).is_pending() {
+                match until {
+                    None => thread::park(),
+                    Some(until) => match until.checked_duration_since(Instant::now()) {
+                        Some(left) if !left.is_zero() => thread::park_timeout(left),
+                        _ => break,
+                    },
+                }
+            }
+        }
+        self.state()
+    }
+}
+
+/// Wakes a thread parked in [`LeaseWatch::wait_while_held`].
+struct Unpark(thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
     }
 }
 

@@ -37,7 +37,7 @@
 //!
 //! LDK keeps running after a failed persist unless the application stops it. A lost lease
 //! means another node instance now owns the channel state: this one must stop at once. Watch
-//! [`LdkStore::lease_state`] (or call [`LdkStore::wait_while_held`] from a thread) and shut the
+//! [`LdkStore::lease_state`] (or wait on [`LdkStore::lease_watch`] in a thread) and shut the
 //! node down when it leaves `Held`, or open the store with
 //! [`crate::LeaseLossPolicy::Abort`] (or `Panic` in a binary built with `panic = "abort"`).
 //! See `examples/ldk.rs` and the README's LDK section.
@@ -115,6 +115,12 @@ impl LdkStore {
     /// [`blocking::PgKvStore::wait_while_held`].
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
         self.inner.wait_while_held(timeout)
+    }
+
+    /// A watcher of the lease that holds no store, for a watchdog thread; see
+    /// [`blocking::PgKvStore::lease_watch`].
+    pub fn lease_watch(&self) -> blocking::LeaseWatch {
+        self.inner.lease_watch()
     }
 
     /// The lease epoch this store holds (the fencing token).

@@ -272,6 +272,26 @@ fn wait_while_held_wakes_on_close() {
     });
 }
 
+/// A watchdog thread waiting on a `lease_watch` does not keep the lease alive, as a store
+/// handle in its place would: when the application drops its last handle, the lease is
+/// released (a successor opens at once) and the watchdog sees `Released`.
+#[test]
+fn lease_watch_does_not_keep_the_lease_alive() {
+    guarded("watch", || {
+        let table = common::table("blkwatch");
+        let store = PgKvStore::open(common::builder(&table)).unwrap();
+        let mut watch = store.lease_watch();
+        let held = watch.wait_while_held(Duration::from_millis(50));
+        assert_eq!(held, LeaseState::Held { epoch: 1 }, "a wait that times out");
+        let watchdog = std::thread::spawn(move || watch.wait_while_held(Duration::MAX));
+        drop(store);
+        assert_eq!(watchdog.join().unwrap(), LeaseState::Released { epoch: 1 });
+        let next = PgKvStore::open(common::builder(&table)).expect("released with the last handle");
+        assert_eq!(next.fencing_token(), 2);
+        next.close().unwrap();
+    });
+}
+
 /// A standby blocked in `open_standby` takes over as soon as the active store closes.
 #[test]
 fn standby_takes_over_when_the_active_store_closes() {
