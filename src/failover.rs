@@ -11,7 +11,7 @@ use crate::config::Builder;
 use crate::error::{Error, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::schema::{self, LeaseInfo};
-use crate::sql::{self, Statements};
+use crate::sql::Statements;
 use crate::store::{PgKvStore, value_or_not_found};
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it: bounds the
@@ -201,7 +201,7 @@ impl Listener {
             let (tx, notified) = mpsc::unbounded_channel();
             let (client, task) = builder.tls.connect(&config, "standby LISTEN", Some(tx)).await?;
             let listener = Listener { notified, task, client };
-            let channel = sql::notify_channel(table);
+            let channel = schema::notify_channel(&listener.client, table).await?;
             listener.client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
             Ok::<_, tokio_postgres::Error>(listener)
         };
@@ -311,7 +311,11 @@ impl Inspector {
     pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };
-        let channel = sql::notify_channel(&self.table);
+        let client = self.pool.get().await.map_err(Error::pool("force release"))?;
+        let channel = schema::notify_channel(&**client, &self.table)
+            .await
+            .map_err(Error::db("resolve table schema"))?;
+        drop(client);
         let rows = self
             .query("force release", &self.statements.release, &[&held.owner_id, &channel])
             .await?

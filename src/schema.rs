@@ -25,6 +25,8 @@ pub(crate) struct Acquired {
     /// When the acquiring statement was sent, on the deadline's clock: the local deadline
     /// counts from here, which is before the database computed the expiry.
     pub(crate) started: Duration,
+    /// The NOTIFY channel of the table as this setup resolved its name, for the release.
+    pub(crate) channel: String,
 }
 
 /// Who describes itself in the lease row.
@@ -160,6 +162,9 @@ async fn prepare(
         tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
     }
 
+    // Resolved here, in the transaction that took the setup lock by the same rule, so the
+    // release wakes every standby of this table, however it spelled the name.
+    let channel = notify_channel(tx, table).await.map_err(Error::db("resolve table schema"))?;
     let owner_id = Uuid::new_v4();
     let ttl_ms = ttl.as_millis() as i64;
     let rows = tx
@@ -189,7 +194,19 @@ async fn prepare(
     tx.query_one(&statements.restart_expiry, &[&owner_id, &ttl_ms])
         .await
         .map_err(Error::db("acquire lease"))?;
-    Ok(Acquired { owner_id, epoch, started })
+    Ok(Acquired { owner_id, epoch, started, channel })
+}
+
+/// The NOTIFY channel of `table`, with its name resolved by `client`'s session
+/// ([`sql::TABLE_SCHEMA`]): the holder that releases, the standby that listens and the
+/// operator's force release each resolve it on their own connection, and meet on one channel.
+pub(crate) async fn notify_channel(
+    client: &(impl tokio_postgres::GenericClient + Sync),
+    table: &TableName,
+) -> std::result::Result<String, tokio_postgres::Error> {
+    let schema: Option<String> =
+        client.query_one(sql::TABLE_SCHEMA, &[&table.schema]).await?.get(0);
+    Ok(sql::notify_channel(table, schema.as_deref()))
 }
 
 /// The current holder of the lease, as seen by operators and by `LeaseHeld`.

@@ -21,6 +21,12 @@ pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 pub(crate) const SETUP_LOCK: &str = r#"
 SELECT pg_advisory_xact_lock($1::int, hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
 
+/// The schema a table name resolves to, by the rule of [`SETUP_LOCK`]: the one given (`$1`),
+/// or for an unqualified name the one it is created in, `current_schema()` (the first existing
+/// schema on the session's `search_path`, not always `public`). NULL when the `search_path`
+/// names no existing schema. The NOTIFY channel is named from it (see [`notify_channel`]).
+pub(crate) const TABLE_SCHEMA: &str = "SELECT coalesce($1::text, current_schema())";
+
 /// First in the setup transaction: a `statement_timeout` or `lock_timeout` in the connection's
 /// options is meant for the application's operations. The setup's waits (for a concurrent
 /// setup, at the fence for the old holder's writes, a one-time index rebuild) end when what
@@ -358,16 +364,63 @@ pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
         .replace("{schema}", &format!("\"{schema}\""))
 }
 
-/// The NOTIFY channel a release signals on, for standbys to LISTEN to. Channel names are
-/// identifiers (at most 63 bytes); a long table name is shortened with a stable hash.
-pub(crate) fn notify_channel(table: &TableName) -> String {
-    let name = table.display();
-    if name.len() <= 55 {
+/// The NOTIFY channel a release signals on, for standbys to LISTEN to. `schema` is the schema
+/// the table name resolved to ([`TABLE_SCHEMA`], asked on the session that notifies or
+/// listens), so every spelling of one table uses one channel: `t` and `public.t` (with
+/// `public` first on the `search_path`) both name `pgfence_t`, and `t` and `app.t` (with `app`
+/// first) both name `pgfence_app.t`. `public` is left out so that the channel of the common
+/// case, an unqualified name in `public`, is the one earlier versions used too.
+///
+/// Channel names are identifiers (at most 63 bytes): a long name is shortened with a stable
+/// hash, and so is one with a character other than `[A-Za-z0-9_.]` (possible only in a schema
+/// that a `search_path` named, never in a validated table name), which keeps the channel safe
+/// to quote in `LISTEN "..."`.
+pub(crate) fn notify_channel(table: &TableName, schema: Option<&str>) -> String {
+    let name = match schema {
+        Some(schema) if schema != "public" => format!("{schema}.{}", table.name),
+        _ => table.name.clone(),
+    };
+    let plain = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
+    if name.len() <= 55 && name.chars().all(plain) {
         return format!("pgfence_{name}");
     }
     // FNV-1a: stable across builds and platforms (std's hasher is not).
     let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });
-    format!("pgfence_{}_{hash:016x}", &name[..38])
+    let prefix: String = name.chars().filter(|&c| plain(c)).take(38).collect();
+    format!("pgfence_{prefix}_{hash:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notify_channels() {
+        let t = TableName::parse("node_state").unwrap();
+        let public_t = TableName::parse("public.node_state").unwrap();
+        let app_t = TableName::parse("app.node_state").unwrap();
+        // Resolved to one schema, every spelling names one channel.
+        for table in [&t, &public_t] {
+            assert_eq!(notify_channel(table, Some("public")), "pgfence_node_state");
+        }
+        for table in [&t, &app_t] {
+            assert_eq!(notify_channel(table, Some("app")), "pgfence_app.node_state");
+        }
+        assert_eq!(notify_channel(&t, None), "pgfence_node_state");
+        // A long name: a prefix and a hash, as before resolution; 63 bytes, and distinct.
+        let long = TableName::parse(&format!("{}.{}", "s".repeat(48), "t".repeat(48))).unwrap();
+        let channel = notify_channel(&long, long.schema.as_deref());
+        assert!(channel.starts_with(&format!("pgfence_{}_", &long.display()[..38])), "{channel}");
+        assert_eq!(channel.len(), 63);
+        assert_ne!(channel, notify_channel(&long, Some(&"s".repeat(47))));
+        // Schema names a search_path may resolve to, which a channel must not carry as they are.
+        for schema in ["my\"schema", "sch\u{e9}ma", &"\u{e9}".repeat(60)] {
+            let channel = notify_channel(&t, Some(schema));
+            assert!(channel.len() <= 63, "{channel}");
+            assert!(channel.chars().all(|c| c.is_ascii_alphanumeric() || "_.".contains(c)));
+            assert_ne!(channel, notify_channel(&t, Some("public")));
+        }
+    }
 }

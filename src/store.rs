@@ -1000,7 +1000,7 @@ impl Builder {
             connector,
             renew_sql: statements.renew.clone(),
             release_sql: statements.release.clone(),
-            notify_channel: sql::notify_channel(&table),
+            notify_channel: acquired.channel.clone(),
             ttl: self.lease_ttl,
             renew_interval: self.renew_every(),
             connect_timeout: self.connect_timeout,
@@ -1010,9 +1010,9 @@ impl Builder {
             Ok(keeper) => keeper,
             Err(e) => {
                 // No renewal means no lease: give it back now rather than by TTL.
-                let channel = sql::notify_channel(&table);
-                if let Err(release) =
-                    client.query(&statements.release, &[&acquired.owner_id, &channel]).await
+                if let Err(release) = client
+                    .query(&statements.release, &[&acquired.owner_id, &acquired.channel])
+                    .await
                 {
                     tracing::error!(error = %release, "pgfence could not release after a failed start");
                 }

@@ -58,6 +58,71 @@ async fn graceful_release_wakes_the_standby_at_once() {
     store.close().await.unwrap();
 }
 
+/// `t` and `public.t` name one table and one lease row, so a release by either spelling wakes
+/// a standby that uses the other at once, not after the TTL: the holder's `close()` and an
+/// operator's force release alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_wakes_a_standby_that_spells_the_table_otherwise() {
+    let t = table("spelling");
+    let qualified = format!("public.{t}");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let (waiting, _) = waiting_standby(&qualified, "standby").await;
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let handoff = released.elapsed();
+    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    assert_eq!(store.fencing_token(), 2);
+
+    let (waiting, _) = waiting_standby(&t, "standby2").await;
+    let released = Instant::now();
+    let inspector = builder(&qualified).inspect().await.unwrap();
+    assert_eq!(inspector.force_release().await.unwrap().unwrap().owner_id, store.owner_id());
+    let next = within("second standby acquires", waiting).await.unwrap().unwrap();
+    let handoff = released.elapsed();
+    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    assert_eq!(next.fencing_token(), 3);
+    next.close().await.unwrap();
+    drop(store);
+}
+
+/// An unqualified name resolves through the session's `search_path`, which need not start with
+/// `public`: with `<schema>` first, `t` and `<schema>.t` name one table, and a release by one
+/// wakes a standby using the other at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unqualified_names_resolve_through_the_search_path() {
+    let schema = table("path");
+    let t = table("onpath");
+    admin().await.batch_execute(&format!("CREATE SCHEMA \"{schema}\"")).await.unwrap();
+    let mut config = common::server().config();
+    let options = config.get_options().unwrap_or_default().to_owned();
+    config.options(format!("{options} -c search_path={schema}"));
+    let active = PgKvStore::builder_from_config(config)
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(TTL)
+        .renew_interval(Duration::from_secs(5))
+        .application_name("active")
+        .open()
+        .await
+        .unwrap();
+    let found: Option<String> = admin()
+        .await
+        .query_one("SELECT to_regclass($1)::text", &[&format!("\"{schema}\".\"{t}_lease\"")])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(found.is_some(), "the unqualified name was created in {schema}");
+    let (waiting, _) = waiting_standby(&format!("{schema}.{t}"), "standby").await;
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let handoff = released.elapsed();
+    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    assert_eq!(store.fencing_token(), 2);
+    store.close().await.unwrap();
+}
+
 /// A crashed holder never releases: the standby takes over right after the expiry, never
 /// before it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
