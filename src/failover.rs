@@ -307,7 +307,10 @@ impl Inspector {
 
     /// Break-glass: expires the lease whoever holds it, so another store can take it at once,
     /// and wakes waiting standbys. The holder, if still running, is fenced from its next write
-    /// on and fails closed at its next renewal. Returns who held it (`None`: nobody did).
+    /// on and fails closed at its next renewal. Returns the holder it released, or `None` when
+    /// it released nothing: nobody held the lease, or the lease it found expired or changed
+    /// hands before its release ran (a new holder is then left alone: see
+    /// [`Inspector::lease_info`] for who holds the lease now).
     pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };
@@ -320,9 +323,12 @@ impl Inspector {
             .query("force release", &self.statements.release, &[&held.owner_id, &channel])
             .await?
             .unwrap_or_default();
-        // Empty: it expired or changed hands between the two statements; report the state now.
+        // Empty: the lease expired or changed hands between the two statements. The release
+        // is by owner id, so a new holder keeps its lease, and nothing was released.
         if rows.is_empty() {
-            return Ok(self.lease_info().await?.filter(|info| info.active));
+            tracing::info!(table = %self.table.display(), epoch = held.epoch,
+                "pgfence force release found the lease expired or taken over; released nothing");
+            return Ok(None);
         }
         tracing::warn!(table = %self.table.display(), epoch = held.epoch, holder = %held.holder,
             "pgfence lease force-released by an operator");

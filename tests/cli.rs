@@ -715,6 +715,52 @@ fn force_release_fences_a_live_holder() {
     b.stop("TERM", b_epoch);
 }
 
+/// The lease changes hands while `release --force --yes` runs (between its look at the holder
+/// and its release): it releases nothing, says so and names the new holder, which keeps its
+/// lease. Forced deterministically: the takeover is an uncommitted update of the lease row,
+/// which the release statement waits for; committed, it leaves the release no owner to match.
+#[test]
+fn force_release_racing_a_takeover_names_the_new_holder() {
+    let (url, table) = (server().url(), unique_name("cli_forcerace"));
+    let a = Holder::spawn("A", &url, &table, &[]);
+    let a_epoch = a.acquired().int("epoch");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let (client, connection) = runtime.block_on(server().config().connect(NoTls)).expect("connect");
+    runtime.spawn(connection);
+    let takeover = format!(
+        "BEGIN; UPDATE \"{table}_lease\" SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                expires_at = clock_timestamp() + interval '1 hour',
+                holder_app = 'thief', holder_pid = 4242, holder_host = 'node-b'
+          WHERE id = 1"
+    );
+    runtime.block_on(client.batch_execute(&takeover)).expect("takeover");
+    let release = thread::spawn({
+        let (url, table) = (url.clone(), table.clone());
+        move || run(&url, &table, &["release", "--force", "--yes"], None)
+    });
+    let waiting = format!(
+        "SELECT 1 FROM pg_stat_activity
+          WHERE wait_event_type = 'Lock' AND query LIKE '%released AS%{table}_lease%'"
+    );
+    let started = Instant::now();
+    while query(&server().config(), &waiting).is_empty() {
+        assert!(started.elapsed() < GUARD, "the release never waited for the takeover");
+        thread::sleep(Duration::from_millis(20));
+    }
+    runtime.block_on(client.batch_execute("COMMIT")).expect("commit the takeover");
+    let released = release.join().expect("release thread");
+    let said = released.expect(0, "release racing a takeover").stdout();
+    assert!(
+        said.starts_with("released nothing")
+            && said.contains("thief 4242@node-b")
+            && said.contains(&format!("epoch {}", a_epoch + 1))
+            && !said.contains(&format!(" {}@", a.pid())),
+        "{said}"
+    );
+    let status = run(&url, &table, &["status"], None).expect(0, "status").stdout();
+    assert!(status.starts_with("held by thief 4242@node-b"), "the new holder kept it: {status}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // One-shot commands and exit codes
 // ---------------------------------------------------------------------------------------------

@@ -419,3 +419,39 @@ async fn open_until_stopped_leaves_nothing_even_when_its_runtime_ends_at_once() 
     assert_eq!(epoch, 1, "nobody took the lease");
     assert!(ms_left <= 0, "nobody holds it");
 }
+
+/// The lease changes hands between the force release's look at it and its release statement:
+/// the release is by the owner it found, so it releases nothing and says so (`None`), and the
+/// new holder keeps its lease. Forced deterministically: the takeover is an uncommitted
+/// update holding the lease row, the release statement waits for it, and then finds its owner
+/// gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_release_racing_a_takeover_releases_nothing() {
+    let t = table("forcerace");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let inspector = builder(&t).inspect().await.unwrap();
+    let mut db = admin().await;
+    let takeover = db.transaction().await.unwrap();
+    let thief: uuid::Uuid = takeover
+        .query_one(
+            &format!(
+                "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                        expires_at = clock_timestamp() + interval '1 hour'
+                  WHERE id = 1 RETURNING owner_id",
+                lease_table(&t)
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let release = tokio::spawn(async move { inspector.force_release().await });
+    common::wait_for_query_lock_wait(&format!("%released AS%{}%", lease_table(&t))).await;
+    takeover.commit().await.unwrap();
+    let released = within("force release", release).await.unwrap().unwrap();
+    assert_eq!(released, None, "nothing was released");
+    let now = builder(&t).inspect().await.unwrap().lease_info().await.unwrap().unwrap();
+    assert!(now.active && now.owner_id == thief && now.epoch == 2, "{now:?}");
+    assert_ne!(thief, active.owner_id());
+    drop(active);
+}

@@ -436,12 +436,22 @@ async fn release(builder: Builder, confirmed: bool) -> Result<(), Exit> {
             "release expires the lease of a possibly live holder; pass both --force and --yes",
         ));
     }
-    let line = match builder.inspect().await?.force_release().await? {
+    let inspector = builder.inspect().await?;
+    let line = match inspector.force_release().await? {
         Some(held) => format!(
             "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
             held.holder, held.epoch, held.owner_id
         ),
-        None => "nobody held the lease".to_owned(),
+        // Released nothing. A live holder now took the lease while this command ran (the
+        // release is by the owner it found): name it, and do not release it unasked.
+        None => match inspector.lease_info().await?.filter(|info| info.active) {
+            Some(now) => format!(
+                "released nothing: the lease changed hands while this command ran and is held by \
+                 {} (epoch {}, owner {}); run it again to release that holder",
+                now.holder, now.epoch, now.owner_id
+            ),
+            None => "nobody held the lease".to_owned(),
+        },
     };
     writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
 }
