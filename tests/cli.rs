@@ -40,7 +40,16 @@ struct Guard {
 }
 
 impl Guard {
-    fn spawn(name: &str, url: &str, table: &str, args: &[&str], stdin: Option<Vec<u8>>) -> Guard {
+    /// Spawns `pgfence --database-url URL --table TABLE ARGS`, without the test's
+    /// `DATABASE_URL`, with the variables `env` set.
+    fn spawn(
+        name: &str,
+        url: &str,
+        table: &str,
+        args: &[&str],
+        stdin: Option<Vec<u8>>,
+        env: &[(&str, &str)],
+    ) -> Guard {
         let mut command = Command::new(BIN);
         if !url.is_empty() {
             command.args(["--database-url", url]);
@@ -49,6 +58,7 @@ impl Guard {
             .args(["--table", table])
             .args(args)
             .env_remove("DATABASE_URL")
+            .envs(env.iter().copied())
             .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -141,7 +151,18 @@ impl Ran {
 
 /// Runs a one-shot command to its end (killed after [`GUARD`]).
 fn run(url: &str, table: &str, args: &[&str], stdin: Option<&[u8]>) -> Ran {
-    let mut guard = Guard::spawn(args[0], url, table, args, stdin.map(<[u8]>::to_vec));
+    run_env(url, table, args, stdin, &[])
+}
+
+/// [`run`] with the environment variables `env` set.
+fn run_env(
+    url: &str,
+    table: &str,
+    args: &[&str],
+    stdin: Option<&[u8]>,
+    env: &[(&str, &str)],
+) -> Ran {
+    let mut guard = Guard::spawn(args[0], url, table, args, stdin.map(<[u8]>::to_vec), env);
     let mut out = guard.child.stdout.take().expect("stdout");
     let mut err = guard.child.stderr.take().expect("stderr");
     let stdout = thread::spawn(move || {
@@ -195,7 +216,7 @@ struct Holder {
 impl Holder {
     fn spawn(name: &str, url: &str, table: &str, args: &[&str]) -> Holder {
         let args: Vec<&str> = ["hold"].iter().chain(args).copied().collect();
-        let mut guard = Guard::spawn(name, url, table, &args, None);
+        let mut guard = Guard::spawn(name, url, table, &args, None, &[]);
         let stream = Arc::new((Mutex::new(Stream::default()), Condvar::new()));
         let stderr = Arc::new(Mutex::new(String::new()));
         let out = guard.child.stdout.take().expect("stdout");
@@ -759,6 +780,29 @@ fn force_release_racing_a_takeover_names_the_new_holder() {
     );
     let status = run(&url, &table, &["status"], None).expect(0, "status").stdout();
     assert!(status.starts_with("held by thief 4242@node-b"), "the new holder kept it: {status}");
+}
+
+/// An environment variable set to the empty string counts as unset, as containers often set
+/// them: with the TLS variables (and `DATABASE_URL`, beside `--database-url`) empty, commands
+/// connect as without them, each alone or all together. An empty path given as an option is
+/// still a usage error.
+#[test]
+fn empty_environment_variables_count_as_unset() {
+    let (url, table) = (server().url(), unique_name("cli_emptyenv"));
+    let empty = [
+        ("PGFENCE_TLS_ROOT_CERT", ""),
+        ("PGFENCE_TLS_CERT", ""),
+        ("PGFENCE_TLS_KEY", ""),
+        ("DATABASE_URL", ""),
+    ];
+    for set in empty.iter().map(std::slice::from_ref).chain([&empty[..]]) {
+        let status = run_env(&url, &table, &["status"], None, set);
+        assert_eq!(status.expect(0, &format!("{set:?}")).stdout(), "free (never held)\n");
+    }
+    run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &empty).expect(0, "put");
+    for option in ["--tls-root-cert", "--tls-cert", "--tls-key"] {
+        run(&url, &table, &["status", option, ""], None).expect(2, &format!("{option} \"\""));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

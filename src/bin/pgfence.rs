@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
 use serde_json::{Value, json};
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -228,7 +228,7 @@ fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
@@ -244,6 +244,23 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(exit) => fail(exit),
     }
+}
+
+/// Parses the command line and the environment. An environment variable set to the empty
+/// string counts as unset (containers often set every variable, some empty), for the TLS files
+/// as for `DATABASE_URL`: clap would take it as an empty value, which a path option refuses
+/// ("a value is required"). An empty value given on the command line is still refused.
+fn parse_cli() -> Result<Cli, clap::Error> {
+    let mut command = Cli::command();
+    let empty: Vec<clap::Id> = command
+        .get_arguments()
+        .filter(|arg| arg.get_env().and_then(std::env::var_os).is_some_and(|v| v.is_empty()))
+        .map(|arg| arg.get_id().clone())
+        .collect();
+    for id in empty {
+        command = command.mut_arg(id, |arg| arg.env(None::<&'static str>));
+    }
+    Cli::from_arg_matches_mut(&mut command.try_get_matches()?)
 }
 
 /// The library reports renewal retries, failed releases and fallbacks through `tracing`:
