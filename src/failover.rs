@@ -51,7 +51,9 @@ pub enum StandbyState {
 /// one), so a graceful release (`close()` or drop of the holder, which `NOTIFY` in the same
 /// transaction) wakes it at once. After a crash it sleeps until the holder's lease expires by
 /// the database clock, and is woken early by any notification. If the LISTEN connection fails it
-/// polls at least every second and reconnects. Cancel it by dropping the `open()` future (an
+/// polls at least every second and reconnects; after every 5 s without a notification it checks
+/// that the connection still answers, and replaces one that does not (silently dropped by a NAT
+/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it by dropping the `open()` future (an
 /// attempt in progress is then cancelled in the background), or with
 /// [`Standby::open_until`], which returns once nothing of it is left running.
 #[derive(Debug)]
@@ -166,7 +168,7 @@ impl Standby {
             let wait = if listener.is_some() { wait } else { wait.min(MAX_POLL) };
             let woken = async {
                 match &mut listener {
-                    Some(l) => l.wait(wait).await,
+                    Some(l) => l.wait(wait, self.builder.connect_timeout).await,
                     None => tokio::time::sleep(wait).await,
                 }
             };
@@ -178,12 +180,19 @@ impl Standby {
     }
 }
 
+/// How often a standby waiting on its LISTEN connection checks that the connection still
+/// answers. One silently dropped on the way (a NAT or firewall idle timeout, a hung middlebox)
+/// would miss the release's notification, and the standby would wait for the holder's expiry.
+const LISTEN_CHECK_EVERY: Duration = Duration::from_secs(5);
+
 /// A LISTEN on the table's channel, on a connection of its own. The task that drives the
 /// connection is aborted when the listener is dropped.
 struct Listener {
     notified: mpsc::UnboundedReceiver<()>,
     task: tokio::task::JoinHandle<()>,
     client: tokio_postgres::Client,
+    /// Set when the connection stopped answering: closed, to be replaced.
+    broken: bool,
 }
 
 impl Drop for Listener {
@@ -200,7 +209,7 @@ impl Listener {
         let connecting = async {
             let (tx, notified) = mpsc::unbounded_channel();
             let (client, task) = builder.tls.connect(&config, "standby LISTEN", Some(tx)).await?;
-            let listener = Listener { notified, task, client };
+            let listener = Listener { notified, task, client, broken: false };
             let channel = schema::notify_channel(&listener.client, table).await?;
             listener.client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
             Ok::<_, tokio_postgres::Error>(listener)
@@ -219,12 +228,34 @@ impl Listener {
     }
 
     fn is_closed(&self) -> bool {
-        self.client.is_closed() || self.task.is_finished()
+        self.broken || self.client.is_closed() || self.task.is_finished()
     }
 
-    /// Waits for a notification or `max`, whichever comes first.
-    async fn wait(&mut self, max: Duration) {
-        let _ = tokio::time::timeout(max, self.notified.recv()).await;
+    /// Waits for a notification or `max`, whichever comes first. After every
+    /// [`LISTEN_CHECK_EVERY`] without one, checks that the connection still answers (within
+    /// `check_timeout`); if not, closes it and returns early, so the standby looks at the lease
+    /// again and listens on a new connection.
+    async fn wait(&mut self, max: Duration, check_timeout: Duration) {
+        let until = tokio::time::Instant::now() + max;
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            let quiet = left.min(LISTEN_CHECK_EVERY);
+            // Ok: a notification, or the connection ended (`None`).
+            if left.is_zero() || tokio::time::timeout(quiet, self.notified.recv()).await.is_ok() {
+                break;
+            }
+            if tokio::time::Instant::now() >= until {
+                break;
+            }
+            let answered =
+                tokio::time::timeout(check_timeout, self.client.simple_query("SELECT 1"));
+            if !matches!(answered.await, Ok(Ok(_))) {
+                tracing::warn!("pgfence standby LISTEN connection stopped answering; reconnecting");
+                self.broken = true;
+                self.task.abort();
+                break;
+            }
+        }
         while self.notified.try_recv().is_ok() {} // One attempt covers every queued notice.
     }
 }

@@ -35,7 +35,7 @@
 //! (`pg_ctl stop -m immediate`) and deletes the cluster's directory. The watchdog runs in its own
 //! process group so that the Ctrl-C that kills the test process does not kill it too.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
@@ -1092,6 +1092,8 @@ struct ProxyShared {
     /// The upstream-side local port of the connection whose next chunk from the server is to be
     /// corrupted; 0 for none.
     corrupt_port: AtomicU32,
+    /// Upstream-side local ports of the connections whose data is held back.
+    stalled_ports: Mutex<HashSet<u32>>,
     connections: Mutex<Connections>,
     timer: DelayTimer,
 }
@@ -1127,6 +1129,7 @@ impl Proxy {
             delay_nanos: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             corrupt_port: AtomicU32::new(0),
+            stalled_ports: Mutex::new(HashSet::new()),
             connections: Mutex::new(Connections::default()),
             timer,
         });
@@ -1179,6 +1182,15 @@ impl Proxy {
     /// proxy's side of that connection). Over TLS the client's decryption of it fails.
     pub fn corrupt_next_reply(&self, client_port: u16) {
         self.shared.corrupt_port.store(u32::from(client_port), Ordering::SeqCst);
+    }
+
+    /// Holds back everything either side sends from now on, on one connection: the one whose
+    /// server session reports `client_port` as its `pg_stat_activity.client_port`. The
+    /// connection stays up and nothing is refused, as through a NAT or firewall that silently
+    /// dropped it, or a middlebox that hangs.
+    pub fn stall(&self, client_port: u16) {
+        let mut stalled = self.shared.stalled_ports.lock().unwrap_or_else(PoisonError::into_inner);
+        stalled.insert(u32::from(client_port));
     }
 
     /// The number of connections currently being forwarded.
@@ -1332,8 +1344,8 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::try_join!(
-        pump(client_read, server_write, shared, None),
-        pump(server_read, client_write, shared, Some(port)),
+        pump(client_read, server_write, shared, port, false),
+        pump(server_read, client_write, shared, port, true),
     )?;
     Ok(())
 }
@@ -1341,13 +1353,14 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
 /// One direction of a connection. The reader stamps each chunk with its due time and queues
 /// it; the writer writes each chunk once it is due (woken by the proxy's [`DelayTimer`]). The
 /// two run concurrently, so a delay adds latency without limiting throughput, and the queue
-/// keeps the order. `from_server_port`: for data from the server, the connection's port there
-/// (see [`Proxy::corrupt_next_reply`]).
+/// keeps the order. `port`: the connection's port on the server side (see
+/// [`Proxy::corrupt_next_reply`] and [`Proxy::stall`]); `from_server`: the direction.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &ProxyShared,
-    from_server_port: Option<u32>,
+    port: u32,
+    from_server: bool,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let read = async move {
@@ -1359,9 +1372,13 @@ async fn pump(
             if n == 0 {
                 return Ok::<(), io::Error>(());
             }
-            let due = Instant::now() + shared.delay();
+            let stalled =
+                shared.stalled_ports.lock().unwrap_or_else(PoisonError::into_inner).contains(&port);
+            // Held back for a day: in effect never, as the proxy is dropped long before.
+            let delay = if stalled { Duration::from_secs(86_400) } else { shared.delay() };
+            let due = Instant::now() + delay;
             let mut chunk = buf[..n].to_vec();
-            if let Some(port) = from_server_port {
+            if from_server {
                 let corrupt = &shared.corrupt_port;
                 if corrupt.compare_exchange(port, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
                     chunk[n - 1] ^= 1;

@@ -455,3 +455,41 @@ async fn force_release_racing_a_takeover_releases_nothing() {
     assert_ne!(thief, active.owner_id());
     drop(active);
 }
+
+/// A standby's LISTEN connection silently dropped on the way (here a proxy holds back all its
+/// traffic; the connection stays up, as through a NAT that forgot it) misses the release's
+/// notification. The standby notices within seconds that the connection no longer answers,
+/// looks at the lease again and takes it: long before the holder's lease would have expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_whose_listen_connection_went_silent_still_takes_over_soon() {
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("sbsilent");
+    let active = standby_builder(&t, "active").open().await.unwrap();
+    let app = format!("sb-{t}");
+    let standby = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .lease_ttl(TTL)
+        .connect_timeout(Duration::from_secs(2))
+        .application_name(&app)
+        .standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+    let listening = "SELECT client_port FROM pg_stat_activity
+                      WHERE application_name = $1 AND query LIKE 'LISTEN%'";
+    let port: i32 =
+        admin().await.query_one(listening, &[&format!("pgfence {app}")]).await.unwrap().get(0);
+    proxy.stall(u16::try_from(port).unwrap());
+
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("takeover", waiting).await.unwrap().unwrap();
+    let took = released.elapsed();
+    println!("takeover {took:?} after the release, the notification lost (TTL {TTL:?})");
+    assert!(took < TTL / 2, "the standby waited for the expiry: {took:?}");
+    assert_eq!(store.fencing_token(), 2);
+    store.close().await.unwrap();
+}
