@@ -323,6 +323,33 @@ impl Holder {
 // Database probes
 // ---------------------------------------------------------------------------------------------
 
+/// Runs `sql` (which begins a transaction and locks a row) on a session of its own and leaves
+/// the transaction open: end it through the returned client, on `runtime`.
+fn open_transaction(runtime: &tokio::runtime::Runtime, sql: &str) -> tokio_postgres::Client {
+    runtime.block_on(async {
+        let (client, connection) = server().config().connect(NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        client.batch_execute(sql).await.expect("lock a row");
+        client
+    })
+}
+
+/// A query for the sessions running a statement like `pattern` that wait for a lock.
+fn lock_wait_of(pattern: &str) -> String {
+    format!(
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '{pattern}'"
+    )
+}
+
+/// Polls `sql` until it returns rows (`rows`), or none; fails after [`GUARD`].
+fn wait_for_rows(sql: &str, rows: bool, what: &str) {
+    let deadline = Instant::now() + GUARD;
+    while query(&server().config(), sql).is_empty() == rows {
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Runs one query on `config` (a fresh connection each time; tests are synchronous).
 fn query(config: &tokio_postgres::Config, sql: &str) -> Vec<tokio_postgres::Row> {
     let runtime =
@@ -574,22 +601,10 @@ fn second_signal_exits_at_once_without_releasing() {
 
     // A transaction of its own holds the counter's row, so A's next write waits for it.
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let blocker = runtime.block_on(async {
-        let (client, connection) = server().config().connect(NoTls).await.expect("connect");
-        tokio::spawn(connection);
-        let lock = format!("BEGIN; SELECT 1 FROM \"{table}\" WHERE key = 'counter' FOR UPDATE");
-        client.batch_execute(&lock).await.expect("lock the counter row");
-        client
-    });
-    let waiting = format!(
-        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-           AND query LIKE '%INSERT INTO \"{table}\"%'"
-    );
-    let deadline = Instant::now() + GUARD;
-    while query(&server().config(), &waiting).is_empty() {
-        assert!(Instant::now() < deadline, "A's write never waited for the row lock");
-        thread::sleep(Duration::from_millis(20));
-    }
+    let lock = format!("BEGIN; SELECT 1 FROM \"{table}\" WHERE key = 'counter' FOR UPDATE");
+    let blocker = open_transaction(&runtime, &lock);
+    let waiting = lock_wait_of(&format!("%INSERT INTO \"{table}\"%"));
+    wait_for_rows(&waiting, true, "A's write waiting for the row lock");
 
     a.guard.signal("INT");
     // The first signal starts the shutdown, which waits for that write.
@@ -614,32 +629,17 @@ fn signal_while_waiting_at_the_fence_exits_and_leaves_nothing_behind() {
     let (url, table) = (server().url(), unique_name("cli_fence"));
     run(&url, &table, &["put", "n", "s", "k", "v"], None).expect(0, "create the table");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let blocker = runtime.block_on(async {
-        let (client, connection) = server().config().connect(NoTls).await.expect("connect");
-        tokio::spawn(connection);
-        let lock = format!("BEGIN; SELECT 1 FROM \"{table}_lease\" WHERE id = 1 FOR KEY SHARE");
-        client.batch_execute(&lock).await.expect("lock the lease row");
-        client
-    });
-    let at_the_fence = format!(
-        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-           AND query LIKE '%INSERT INTO \"{table}_lease\"%'"
-    );
+    let lock = format!("BEGIN; SELECT 1 FROM \"{table}_lease\" WHERE id = 1 FOR KEY SHARE");
+    let blocker = open_transaction(&runtime, &lock);
+    let at_the_fence = lock_wait_of(&format!("%INSERT INTO \"{table}_lease\"%"));
     for (name, args) in [("plain", &["--ttl", "30"][..]), ("standby", &["--ttl", "30", "--wait"])] {
         let mut h = Holder::spawn(name, &url, &table, args);
-        let deadline = Instant::now() + GUARD;
-        while query(&server().config(), &at_the_fence).is_empty() {
-            assert!(Instant::now() < deadline, "{name} never waited at the fence");
-            thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_rows(&at_the_fence, true, &format!("{name} waiting at the fence"));
         h.guard.signal("TERM");
         assert_eq!(h.exit_code(), Some(0), "{name}: {}", h.stderr());
         assert!(h.events().iter().all(|e| e.kind() != "acquired"), "{name}: {:?}", h.events());
         // The cancel request was sent before the exit; the server acts on it at once.
-        while !query(&server().config(), &at_the_fence).is_empty() {
-            assert!(Instant::now() < deadline, "{name} left its setup waiting at the fence");
-            thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_rows(&at_the_fence, false, &format!("{name}'s setup gone from the fence"));
     }
     runtime.block_on(blocker.batch_execute("COMMIT")).expect("let the lease row go");
     let status = run(&url, &table, &["status", "--json"], None);
