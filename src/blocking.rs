@@ -227,8 +227,8 @@ impl PgKvStore {
     }
 
     /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
-    /// returns the lease state then: [`LeaseState::Lost`] or [`LeaseState::Released`] if the
-    /// lease ended, [`LeaseState::Held`] on timeout. For a watchdog thread, take a
+    /// returns the lease state then: [`LeaseState::Lost`], [`LeaseState::Released`] or
+    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a watchdog thread, take a
     /// [`PgKvStore::lease_watch`] instead: a store handle kept by the watchdog would keep the
     /// lease alive after the application dropped its own.
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
@@ -238,7 +238,8 @@ impl PgKvStore {
     /// A watcher of the lease that holds no store: a watchdog thread takes one, waits in
     /// [`LeaseWatch::wait_while_held`], and stops the application when the lease leaves `Held`.
     /// Unlike a store handle, it does not keep the lease alive: when the application drops its
-    /// last handle, the lease is released and the watchdog sees `Released`.
+    /// last handle, the lease is released and the watchdog sees `Released` (`Abandoned` if the
+    /// release failed).
     pub fn lease_watch(&self) -> LeaseWatch {
         LeaseWatch(self.store.lease_state())
     }
@@ -270,9 +271,10 @@ impl LeaseWatch {
     }
 
     /// Blocks the calling thread while the lease is held, at most `timeout` (`Duration::MAX`:
-    /// no limit), and returns the state then: [`LeaseState::Lost`] or [`LeaseState::Released`]
-    /// if the lease ended (the latter also once the store is gone), [`LeaseState::Held`] on
-    /// timeout. Needs no runtime: the thread parks until the state changes.
+    /// no limit), and returns the state then: [`LeaseState::Lost`], [`LeaseState::Released`]
+    /// or [`LeaseState::Abandoned`] if the lease ended (a store that is gone published one of
+    /// them), [`LeaseState::Held`] on timeout. Needs no runtime: the thread parks until the
+    /// state changes.
     pub fn wait_while_held(&mut self, timeout: Duration) -> LeaseState {
         let until = Instant::now().checked_add(timeout);
         let waker = Waker::from(Arc::new(Unpark(thread::current())));

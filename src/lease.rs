@@ -37,6 +37,13 @@ pub enum LeaseState {
         /// The epoch that was held.
         epoch: i64,
     },
+    /// The store stopped (closed or dropped) but could not release the lease, the database
+    /// being out of reach: it no longer renews it, and the next store takes it once it
+    /// expires, within one TTL. Published so that a watcher learns this store is done.
+    Abandoned {
+        /// The epoch that was held.
+        epoch: i64,
+    },
 }
 
 /// The held lease, shared by the store, its outstanding operations and the renewal thread.
@@ -615,8 +622,11 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     };
     match &result {
         Ok(()) => lease.released(),
-        Err(error) => tracing::error!(table = %lease.table, epoch = lease.epoch, %error,
-            "pgfence lease release failed; the lease expires by TTL"),
+        Err(error) => {
+            tracing::error!(table = %lease.table, epoch = lease.epoch, %error,
+                "pgfence lease release failed; the lease expires by TTL");
+            lease.publish_if_held(LeaseState::Abandoned { epoch: lease.epoch });
+        }
     }
     if let Some(reply) = reply {
         reply(result);
@@ -631,9 +641,15 @@ async fn release_within(
     session: &mut Option<Session>,
     limit: Duration,
 ) -> Result<()> {
-    tokio::time::timeout(limit, release(config, lease, session))
+    let result = tokio::time::timeout(limit, release(config, lease, session))
         .await
-        .unwrap_or(Err(Error::Timeout { operation: "release", after: limit }))
+        .unwrap_or(Err(Error::Timeout { operation: "release", after: limit }));
+    if result.is_err() {
+        // Broken or not answering (silently dropped, say): the next attempt connects anew
+        // rather than queue behind the unanswered release.
+        *session = None;
+    }
+    result
 }
 
 /// The renewal thread's connection, with the renewal statement prepared once.

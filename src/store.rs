@@ -342,7 +342,7 @@ impl PgKvStore {
     }
 
     /// Watches the lease: `Held` until it is lost (`Lost { reason }`, permanent) or given up
-    /// (`Released`). Await `changed()` on it to learn of a loss the moment it is known.
+    /// (`Released`; `Abandoned` when the store stopped but could not release it). Await `changed()` on it to learn of a loss the moment it is known.
     pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
         self.inner.lease.subscribe()
     }
@@ -900,9 +900,10 @@ impl Builder {
     /// [`Builder::open`], given up when `stop` completes first: a setup still waiting is
     /// cancelled (nothing committed, the lease never taken later), and a store whose commit
     /// was already sent is closed, which releases its lease. `Ok(None)` then, returned only
-    /// once all that is done: nothing of this opening is left running, on the server or on the
-    /// runtime, so the runtime may shut down right after (at process exit, say). `stop` is,
-    /// for example, a signal, a shutdown channel or a timer.
+    /// once all that is done (the server has received the cancel request, and acts on it at
+    /// once): nothing of this opening is left running on the runtime, nor waiting on the
+    /// server, so the runtime may shut down right after (at process exit, say). `stop` is, for
+    /// example, a signal, a shutdown channel or a timer.
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.validate()?;
         // Dropped when the caller gives up: tells the task that nobody waits for the store.
@@ -1052,5 +1053,51 @@ impl Builder {
                 coalescer: Coalescer::new(self.write_concurrency),
             }),
         })
+    }
+}
+
+/// Tests that need the store's internals and a database.
+#[cfg(all(test, feature = "testing"))]
+mod db_tests {
+    use super::*;
+    use crate::testing::{Proxy, TestServer, unique_name};
+
+    /// After a loss found by an operation, the release is retried on a new connection when the
+    /// renewal thread's own one went silent (a proxy holds back all its traffic; new
+    /// connections get through): the lease is released within seconds, not at its expiry.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn release_after_a_loss_does_not_wait_on_a_silent_connection() {
+        let server = TestServer::shared().unwrap();
+        let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+        let t = unique_name("silentrelease");
+        let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(Duration::from_secs(30))
+            .renew_interval(Duration::from_secs(2))
+            .connect_timeout(Duration::from_secs(2))
+            .drop_timeout(Duration::from_secs(2))
+            .open()
+            .await
+            .unwrap();
+        let admin = server.connect().await.unwrap();
+        let renewal = "SELECT client_port FROM pg_stat_activity
+                        WHERE state = 'idle' AND query LIKE '%SET expires_at = clock_timestamp() + $2%'";
+        let port: i32 = loop {
+            if let Some(row) = admin.query_opt(renewal, &[]).await.unwrap() {
+                break row.get(0);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        proxy.stall(u16::try_from(port).unwrap());
+        let lost = store.inner.lease.fail(LossReason::WriteOutcomeUnknown);
+        assert!(lost.is_lease_lost(), "{lost:?}");
+        let held = format!("SELECT expires_at > clock_timestamp() FROM \"{t}_lease\"");
+        let started = std::time::Instant::now();
+        while admin.query_one(&held, &[]).await.unwrap().get::<_, bool>(0) {
+            let waited = started.elapsed();
+            assert!(waited < Duration::from_secs(15), "still held {waited:?} after the loss");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!("released {:?} after the loss", started.elapsed());
     }
 }

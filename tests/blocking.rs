@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::conformance::{BoxFut, Kv, PageOut, check_all};
 use pgfence::blocking::PgKvStore;
+use pgfence::testing::Proxy;
 use pgfence::{LeaseLossPolicy, LeaseState, PageToken};
 use sync_support::{Where, guarded, run_in};
 
@@ -289,6 +290,28 @@ fn lease_watch_does_not_keep_the_lease_alive() {
         let next = PgKvStore::open(common::builder(&table)).expect("released with the last handle");
         assert_eq!(next.fencing_token(), 2);
         next.close().unwrap();
+    });
+}
+
+/// A store dropped while the database is out of reach cannot release its lease: a watchdog
+/// waiting on its `lease_watch` sees `Abandoned` (the store is done; the lease expires by its
+/// TTL), not `Held` returned at once over and over by a watch whose store is gone.
+#[test]
+fn lease_watch_sees_a_store_that_could_not_release_as_abandoned() {
+    guarded("abandoned", || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let server = common::server();
+        let proxy = runtime.block_on(Proxy::start(server.tcp_addr().unwrap())).unwrap();
+        let builder = pgfence::PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+            .table(common::table("blkabandon"))
+            .connect_timeout(Duration::from_secs(1))
+            .drop_timeout(Duration::from_secs(1));
+        let store = PgKvStore::open(builder).unwrap();
+        let mut watch = store.lease_watch();
+        proxy.set_refuse(true);
+        proxy.cut_all();
+        drop(store); // Its release cannot get through.
+        assert_eq!(watch.wait_while_held(common::HANG_GUARD), LeaseState::Abandoned { epoch: 1 });
     });
 }
 
