@@ -129,6 +129,27 @@ impl Lease {
         }
     }
 
+    /// [`Lease::deadline_passed`] for operations, without a timer of their own while the lease
+    /// is held: a timer per statement cost the write path a wake-up of the runtime's driver
+    /// thread, measurable at one writer. While `Held`, it waits for the state to change: the
+    /// renewal thread publishes `DeadlinePassed` within about a second of the deadline (it
+    /// wakes at least that often). Once the state is anything else (lost for another reason,
+    /// or the store stopped: nothing more will be published), it times the deadline itself.
+    pub(crate) async fn deadline_reported(&self) {
+        let mut state = self.subscribe();
+        loop {
+            if self.remaining().is_zero() && !self.given_up.load(Ordering::SeqCst) {
+                return;
+            }
+            if !matches!(*state.borrow_and_update(), LeaseState::Held { .. }) {
+                return self.deadline_passed().await;
+            }
+            if state.changed().await.is_err() {
+                return std::future::pending().await; // The lease is gone: nothing to wait for.
+            }
+        }
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.get().is_some()
     }

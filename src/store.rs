@@ -42,17 +42,18 @@ use crate::sql::{self, Statements};
 ///   deadline (which comes before the database expiry), every key operation (reads, lists,
 ///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
 ///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. An operation still waiting for
-///   the server's answer when the local deadline passes returns then too, instead of waiting
-///   for a server that may never answer. Of the calls that read the database, only
-///   [`PgKvStore::lease_info`] still answers, to show who holds the lease now. The
-///   [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation whose
-///   statement had already locked the lease row when the loss came may still commit; a
+///   the server's answer when the local deadline passes returns then too (within about a
+///   second), instead of waiting for a server that may never answer. Of the calls that read
+///   the database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease
+///   now. The [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation
+///   whose statement had already locked the lease row when the loss came may still commit; a
 ///   successor's takeover waits for it. It returns `Ok` if its answer comes before the local
 ///   deadline, else `LeaseLost` with its outcome unknown (read the key back).
 /// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
 ///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
 ///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
-///   releases its successor's. A crashed store's lease is taken over after it expires.
+///   releases its successor's; it releases its own at once, retrying about every second while
+///   the database cannot be reached. A crashed store's lease is taken over after it expires.
 /// - **Reads** see committed data only: a read returns the latest committed value of the key
 ///   at the time its statement runs.
 ///
@@ -562,7 +563,8 @@ impl Inner {
     /// after it. If that cannot be confirmed, the store fails closed rather than risk a later
     /// call being overwritten.
     ///
-    /// An attempt still unanswered at the local deadline is abandoned: the store fails closed
+    /// An attempt still unanswered at the local deadline (as the renewal thread reports it,
+    /// within about a second) is abandoned: the store fails closed
     /// (`DeadlinePassed`) and the caller learns that at once, whether the server is hung or
     /// the network holds the connection open without passing data; the connection is closed
     /// rather than handed back to the pool.
@@ -599,7 +601,7 @@ impl Inner {
             let answered = tokio::select! {
                 biased;
                 result = attempt => Some(result),
-                () = self.lease.deadline_passed() => None,
+                () = self.lease.deadline_reported() => None,
             };
             let Some(result) = answered else {
                 // No answer by the local deadline (a server or network that stopped answering
@@ -704,7 +706,7 @@ impl Inner {
             let outcome = tokio::select! {
                 biased;
                 outcome = tokio::time::timeout(left, attempt) => outcome,
-                () = self.lease.deadline_passed() => {
+                () = self.lease.deadline_reported() => {
                     return Err(self.lease.fail(LossReason::DeadlinePassed));
                 }
             };
