@@ -590,13 +590,17 @@ impl Inner {
             let mut pending: Option<OutcomePending> = None;
             let attempt = async {
                 let client = Checkout(Some(self.pool.get().await.map_err(Error::pool(operation))?));
-                let backend = if mutation { Some(self.backend(&client).await?) } else { None };
-                let statement = client.prepare_cached(sql).await.map_err(Error::db(operation))?;
-                pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
-                sent_to = backend;
-                let rows = client.query(&statement, params).await;
-                client.answered();
-                rows.map_err(Error::db(operation))
+                let statements = async {
+                    let backend = if mutation { Some(self.backend(&client).await?) } else { None };
+                    let statement =
+                        client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                    pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
+                    sent_to = backend;
+                    client.query(&statement, params).await.map_err(Error::db(operation))
+                };
+                let rows = statements.await;
+                client.answered(); // Each statement sent got its answer, an error included.
+                rows
             };
             let answered = tokio::select! {
                 biased;
@@ -687,20 +691,16 @@ impl Inner {
                 let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;
                 let client = Checkout(Some(client));
                 let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
-                client
-                    .query(sql::TERMINATE_BACKEND, &params)
-                    .await
-                    .map_err(Error::db("end broken session"))?;
-                while client
-                    .query_opt(sql::BACKEND_ALIVE, &params)
-                    .await
-                    .map_err(Error::db("end broken session"))?
-                    .is_some()
-                {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                client.answered();
-                Ok::<_, Error>(())
+                let ended = async {
+                    client.query(sql::TERMINATE_BACKEND, &params).await?;
+                    while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Ok(())
+                };
+                let ended = ended.await.map_err(Error::db("end broken session"));
+                client.answered(); // Each statement sent got its answer, an error included.
+                ended
             };
             let left = self.retry_for.saturating_sub(started.elapsed());
             let outcome = tokio::select! {
@@ -797,11 +797,12 @@ pub(crate) async fn detached<T: Send + 'static>(
     }
 }
 
-/// A pooled connection in use by one attempt. It goes back to the pool only once its
-/// statements are answered ([`Checkout::answered`]); dropped before, because the attempt was
-/// abandoned at the local deadline or its task dropped, it is taken out of the pool: the next
-/// user would otherwise queue behind the unanswered statement, on a hung server for good.
-/// (Its connection closes once the server answers, or the socket fails.)
+/// A pooled connection in use by one attempt. It goes back to the pool once its statements
+/// are answered, with a result or an error ([`Checkout::answered`]); dropped before, because
+/// the attempt was abandoned at the local deadline, or a read's caller dropped its future, or
+/// its task was dropped, it is taken out of the pool: the next user would otherwise queue
+/// behind the unanswered statement, on a hung server for good. (Its connection closes once the
+/// server answers, or the socket fails.)
 struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {

@@ -289,3 +289,26 @@ async fn set_synchronous_standby_names(cluster: &pgfence::testing::TestCluster, 
     })
     .await
 }
+
+/// A statement that fails with a server error has its answer: its connection goes back to the
+/// pool rather than being closed like one abandoned before its answer. Here the table is
+/// dropped under the store, so preparing `list` fails; with a pool of one, the next call
+/// (`lease_info`) runs on the same session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_keeps_its_connection_in_the_pool() {
+    let t = table("errkeep");
+    let store = builder(&t).application_name(&t).pool_size(1).open().await.unwrap();
+    store.write("e", "s", "k", b"v".to_vec()).await.unwrap();
+    let db = admin().await;
+    let sessions =
+        "SELECT array_agg(pid ORDER BY pid) FROM pg_stat_activity WHERE application_name = $1";
+    let app = format!("pgfence {t}");
+    let before: Vec<i32> = db.query_one(sessions, &[&app]).await.unwrap().get(0);
+    db.batch_execute(&format!("DROP TABLE \"{t}\"")).await.unwrap();
+    let e = store.list("e", "s").await.unwrap_err();
+    assert!(matches!(e, Error::Database { .. }), "{e:?}");
+    store.lease_info().await.unwrap();
+    let after: Vec<i32> = db.query_one(sessions, &[&app]).await.unwrap().get(0);
+    assert_eq!(after, before, "the same sessions: the pool kept its connection");
+    drop(store);
+}
