@@ -31,6 +31,22 @@ async fn waiting_standby(
     (waiting, progress)
 }
 
+/// Runs `release` and waits for the standby's takeover; the takeover, timed from the start of
+/// the release, must come well before the TTL (a standby that missed the release would wait for
+/// the expiry, one whole TTL).
+async fn takeover_after(
+    release: impl std::future::Future<Output = ()>,
+    waiting: JoinHandle<pgfence::Result<PgKvStore>>,
+) -> PgKvStore {
+    let released = Instant::now();
+    release.await;
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let took = released.elapsed();
+    println!("takeover {took:?} after the release (TTL {TTL:?})");
+    assert!(took < TTL / 2, "woken by the release, not by the expiry: {took:?}");
+    store
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_release_wakes_the_standby_at_once() {
     let t = table("handoff");
@@ -47,12 +63,7 @@ async fn graceful_release_wakes_the_standby_at_once() {
     // Give the standby a moment in its wait, then release gracefully.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "the standby waits while the lease is held");
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("standby acquires", waiting).await.unwrap().unwrap();
-    let handoff = released.elapsed();
-    println!("graceful handoff took {handoff:?} (TTL {TTL:?})");
-    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    let store = takeover_after(async { active.close().await.unwrap() }, waiting).await;
     assert_eq!(store.fencing_token(), 2);
     assert_eq!(*progress.borrow(), StandbyState::Acquired { epoch: 2 });
     store.close().await.unwrap();
@@ -67,20 +78,16 @@ async fn release_wakes_a_standby_that_spells_the_table_otherwise() {
     let qualified = format!("public.{t}");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let (waiting, _) = waiting_standby(&qualified, "standby").await;
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("standby acquires", waiting).await.unwrap().unwrap();
-    let handoff = released.elapsed();
-    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    let store = takeover_after(async { active.close().await.unwrap() }, waiting).await;
     assert_eq!(store.fencing_token(), 2);
 
     let (waiting, _) = waiting_standby(&t, "standby2").await;
-    let released = Instant::now();
     let inspector = builder(&qualified).inspect().await.unwrap();
-    assert_eq!(inspector.force_release().await.unwrap().unwrap().owner_id, store.owner_id());
-    let next = within("second standby acquires", waiting).await.unwrap().unwrap();
-    let handoff = released.elapsed();
-    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    let force_release = async {
+        let released = inspector.force_release().await.unwrap().unwrap();
+        assert_eq!(released.owner_id, store.owner_id());
+    };
+    let next = takeover_after(force_release, waiting).await;
     assert_eq!(next.fencing_token(), 3);
     next.close().await.unwrap();
     drop(store);
@@ -114,11 +121,7 @@ async fn unqualified_names_resolve_through_the_search_path() {
         .get(0);
     assert!(found.is_some(), "the unqualified name was created in {schema}");
     let (waiting, _) = waiting_standby(&format!("{schema}.{t}"), "standby").await;
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("standby acquires", waiting).await.unwrap().unwrap();
-    let handoff = released.elapsed();
-    assert!(handoff < TTL / 2, "woken by NOTIFY, not by the TTL: {handoff:?}");
+    let store = takeover_after(async { active.close().await.unwrap() }, waiting).await;
     assert_eq!(store.fencing_token(), 2);
     store.close().await.unwrap();
 }
@@ -259,10 +262,7 @@ async fn standby_survives_losing_its_listen_connection() {
         .get(0);
     assert!(killed >= 1);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("standby acquires", waiting).await.unwrap().unwrap();
-    assert!(released.elapsed() < TTL / 2, "{:?}", released.elapsed());
+    let store = takeover_after(async { active.close().await.unwrap() }, waiting).await;
     store.close().await.unwrap();
 }
 
@@ -484,12 +484,7 @@ async fn standby_whose_listen_connection_went_silent_still_takes_over_soon() {
         admin().await.query_one(listening, &[&format!("pgfence {app}")]).await.unwrap().get(0);
     proxy.stall(u16::try_from(port).unwrap());
 
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("takeover", waiting).await.unwrap().unwrap();
-    let took = released.elapsed();
-    println!("takeover {took:?} after the release, the notification lost (TTL {TTL:?})");
-    assert!(took < TTL / 2, "the standby waited for the expiry: {took:?}");
+    let store = takeover_after(async { active.close().await.unwrap() }, waiting).await;
     assert_eq!(store.fencing_token(), 2);
     store.close().await.unwrap();
 }
