@@ -593,6 +593,76 @@ async fn lost_lease_is_released_once_the_network_returns() {
     standby.close().await.unwrap();
 }
 
+/// A lost lease is never renewed: after the loss the renewal thread only ever sends the release
+/// (by owner id), never the renewal, which would extend in the database, by a whole TTL, a
+/// lease the application already treats as lost. Here the lease is lost at the local deadline
+/// while the network is down; then the network returns while a transaction holds the lease row
+/// (`FOR UPDATE`, which both statements wait for). So every statement the thread sends from
+/// then on waits on the server, and stays visible in `pg_stat_activity` until the lock goes
+/// (PostgreSQL does not notice a client gone while its statement waits for a lock): none can
+/// slip by between two looks. The thread gives each release attempt 2 s, then tries again on a
+/// new connection; the test looks until three releases wait, and fails at the first renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_is_only_released_never_renewed() {
+    let t = table("neverrenew");
+    let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
+    // A TTL far beyond the test, so that the thread's release attempts (which go on until the
+    // database expiry of the lease, one TTL after the last renewal attempt) cannot stop on
+    // their own while the test looks.
+    let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(120))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_secs(1))
+        .open()
+        .await
+        .unwrap();
+    proxy.set_refuse(true);
+    proxy.cut_all();
+    common::wait_until_lost(&holder).await;
+    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed };
+    assert_eq!(*holder.lease_state().borrow(), lost);
+    // Nothing of the holder is on the server now (its connections were cut, and no statement
+    // of it waited for anything): from here on, all it sends waits for this lock.
+    let mut blocker = admin().await;
+    let tx = common::lock_lease_row(&mut blocker, &t, "FOR UPDATE").await;
+    proxy.set_refuse(false);
+
+    // The release also notifies standbys (`pg_notify`); the renewal does not.
+    let waiting = "SELECT count(*) FILTER (WHERE query LIKE '%pg_notify%'),
+                          coalesce(string_agg(query, ' | ')
+                                   FILTER (WHERE query NOT LIKE '%pg_notify%'), '')
+                     FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    let statement = format!("%UPDATE {}%", lease_table(&t));
+    let db = admin().await;
+    within("three release attempts waiting for the lease row", async {
+        loop {
+            let row = db.query_one(waiting, &[&statement]).await.unwrap();
+            let (releases, others): (i64, String) = (row.get(0), row.get(1));
+            assert!(others.is_empty(), "the lost lease's thread sent something else: {others}");
+            if releases >= 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let (owner, epoch, _) = lease_row(&db, &t).await;
+    assert_eq!((owner, epoch), (holder.owner_id(), 1), "unchanged while the row is locked");
+
+    // Once the lock goes, the waiting releases run: the lost lease is released.
+    tx.rollback().await.unwrap();
+    within("release after the lock", async {
+        while lease_row(&db, &t).await.2 > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(*holder.lease_state().borrow(), lost, "the loss stays published");
+    holder.close().await.expect("the lost lease was released");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panic_policy_panics_in_the_calling_task() {
     let t = table("panic");
