@@ -23,10 +23,12 @@ pub enum LeaseLossPolicy {
     #[default]
     FailClosed,
     /// Also panic: in the task that called the operation that found the loss, or on the
-    /// renewal thread when renewal found it. A panic on the renewal thread stops the process
-    /// only when it is built with `panic = "abort"`. A loss found where no caller can be told
-    /// (a write's task dropped mid-statement when its runtime shut down) panics in the next
-    /// operation.
+    /// renewal thread when renewal found it (after one attempt to release the lease). A panic
+    /// on the renewal thread stops the process only when it is built with `panic = "abort"`;
+    /// otherwise that thread ends, without the retries of the release that `FailClosed` goes
+    /// on with, and [`crate::PgKvStore::close`] returns [`Error::LeaseLost`]. A loss found
+    /// where no caller can be told (a write's task dropped mid-statement when its runtime shut
+    /// down) panics in the next operation.
     Panic,
     /// Log at error level, then `std::process::abort()`: nothing of the process runs on. This
     /// includes a loss found when a write's task is dropped mid-statement: shutting down a

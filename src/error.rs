@@ -125,10 +125,13 @@ pub enum Error {
         source: Box<deadpool_postgres::PoolError>,
     },
 
-    /// The renewal thread or its runtime could not be started.
-    #[error("could not start the lease renewal thread")]
+    /// The renewal thread or its runtime could not be started; or (a bug of this crate) the
+    /// renewal thread panicked, with the lease not lost, before it released the lease: it is
+    /// no longer renewed and expires by TTL. (The renewal thread's panic of
+    /// [`crate::LeaseLossPolicy::Panic`] is reported as [`Error::LeaseLost`].)
+    #[error("the lease renewal thread could not be started, or it failed")]
     Runtime {
-        /// The operating system's error.
+        /// The operating system's error, or what became of the thread.
         #[source]
         source: std::io::Error,
     },

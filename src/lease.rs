@@ -289,6 +289,40 @@ mod tests {
         assert_eq!(step(s(120) - ms(300), s(130), deadline), Step::Sleep(ms(300)));
     }
 
+    /// A keeper whose thread panicked at once, without taking any request: what a request to
+    /// stop finds after the renewal thread's panic under `LeaseLossPolicy::Panic`.
+    fn keeper_whose_thread_panicked(lease: &Arc<Lease>) -> Keeper {
+        let (stop, stopped) = mpsc::unbounded_channel::<Reply>();
+        let thread = std::thread::spawn(move || {
+            let _stopped = stopped; // Dropped while unwinding, as `run`'s receiver is.
+            panic!("renewal thread panics (on purpose, in a test)");
+        });
+        while !thread.is_finished() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Keeper { stop, thread: Some(thread), lease: Arc::clone(lease) }
+    }
+
+    /// A renewal thread that ended without answering is reported, never taken for a release:
+    /// after a loss (the panic of `LeaseLossPolicy::Panic`) as that loss; otherwise (a bug) as
+    /// `Runtime`, with the lease published `Abandoned`. The drop path only logs it, at once.
+    #[tokio::test]
+    async fn shutdown_reports_a_thread_that_ended_unanswered() {
+        let lost = Arc::new(lease());
+        lost.lose(LossReason::TakenOver);
+        let e = keeper_whose_thread_panicked(&lost).shutdown().await.unwrap_err();
+        assert!(matches!(e, Error::LeaseLost { epoch: 7, reason: LossReason::TakenOver }), "{e}");
+
+        let held = Arc::new(lease());
+        let e = keeper_whose_thread_panicked(&held).shutdown().await.unwrap_err();
+        assert!(matches!(e, Error::Runtime { .. }), "{e:?}");
+        assert_eq!(published(&held), LeaseState::Abandoned { epoch: 7 });
+
+        for lease in [&lost, &Arc::new(lease())] {
+            keeper_whose_thread_panicked(lease).shutdown_blocking(Duration::from_secs(3600));
+        }
+    }
+
     /// A renewal thread whose database cannot be reached (nothing listens on port 1).
     fn unreachable(renew_interval: Duration) -> KeeperConfig {
         let mut config = tokio_postgres::Config::new();
@@ -417,6 +451,8 @@ type Reply = Box<dyn FnOnce(Result<()>) + Send>;
 pub(crate) struct Keeper {
     stop: mpsc::UnboundedSender<Reply>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// To tell, if the thread ended without answering, what became of the lease.
+    lease: Arc<Lease>,
 }
 
 impl Keeper {
@@ -426,28 +462,35 @@ impl Keeper {
             .build()
             .map_err(|source| Error::Runtime { source })?;
         let (stop, stopped) = mpsc::unbounded_channel();
+        let thread_lease = Arc::clone(&lease);
         let thread = std::thread::Builder::new()
             .name("pgfence-lease".to_owned())
-            .spawn(move || runtime.block_on(run(lease, config, stopped)))
+            .spawn(move || runtime.block_on(run(thread_lease, config, stopped)))
             .map_err(|source| Error::Runtime { source })?;
-        Ok(Keeper { stop, thread: Some(thread) })
+        Ok(Keeper { stop, thread: Some(thread), lease })
     }
 
-    /// Stops renewal and releases the lease; returns the release's result.
+    /// Stops renewal and releases the lease; returns the release's result. If the thread ended
+    /// without answering (under [`LeaseLossPolicy::Panic`], its panic after a loss that renewal
+    /// found, whether before this request or while the request waited for a release attempt
+    /// to end), nothing released the lease on this request, and no attempt is retried any
+    /// more: returns [`Error::LeaseLost`] (see [`Keeper::ended`]).
     pub(crate) async fn shutdown(mut self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let reply: Reply = Box::new(move |result| {
             let _ = tx.send(result); // The closer may have given up waiting; nothing to do.
         });
-        if self.stop.send(reply).is_err() {
-            return Ok(()); // The thread already ended (it panicked under LeaseLossPolicy::Panic).
-        }
-        let result = rx.await.unwrap_or(Ok(()));
+        // `None`: the thread dropped the request unanswered (its receiver, or the reply in it).
+        let answer = match self.stop.send(reply) {
+            Ok(()) => rx.await.ok(),
+            Err(_) => None,
+        };
         if let Some(thread) = self.thread.take() {
-            // The reply is sent as the thread's last act, so this join is immediate.
+            // The reply is sent as the thread's last act, and a thread that dropped the request
+            // is unwinding out of its runtime: either way this join is immediate.
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
-        result
+        answer.unwrap_or_else(|| Err(self.ended()))
     }
 
     /// Signals the thread to release and waits at most `timeout` for it. Never panics and never
@@ -458,6 +501,9 @@ impl Keeper {
             let _ = tx.send(result); // The dropper may have given up waiting; nothing to do.
         });
         if self.stop.send(reply).is_err() {
+            // Not joined: the drop waits for nothing it need not. Logged, as a close() says it.
+            let error = self.ended();
+            tracing::error!(%error, "pgfence renewal thread had ended before the drop");
             return;
         }
         match rx.recv_timeout(timeout) {
@@ -466,10 +512,33 @@ impl Keeper {
                 drop(self.thread.take());
             }
             Ok(Err(e)) => tracing::error!(error = %e, "pgfence lease release failed on drop"),
-            Err(_) => tracing::error!(
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let error = self.ended();
+                tracing::error!(%error, "pgfence renewal thread ended without releasing on drop");
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::error!(
                 ?timeout,
                 "pgfence lease release did not finish in time on drop; the lease expires by TTL"
             ),
+        }
+    }
+
+    /// What to report when the thread ended without answering a request to stop: only a
+    /// panic ends it so (`run` returns only after answering, and the channel stays open while
+    /// `self` lives), and only [`LeaseLossPolicy::Panic`] panics there, after a loss:
+    /// [`Error::LeaseLost`]. Any other panic would be a bug of this crate: the lease was not
+    /// released and is no longer renewed (it expires by TTL), published as `Abandoned` if it
+    /// was still `Held`, and reported as [`Error::Runtime`].
+    fn ended(&self) -> Error {
+        let lease = &self.lease;
+        match lease.lost.get() {
+            Some(reason) => Error::LeaseLost { epoch: lease.epoch, reason: reason.clone() },
+            None => {
+                lease.publish_if_held(LeaseState::Abandoned { epoch: lease.epoch });
+                let message = "renewal thread panicked before releasing the lease (expires by TTL)";
+                tracing::error!(table = %lease.table, epoch = lease.epoch, "pgfence {message}");
+                Error::Runtime { source: std::io::Error::other(message) }
+            }
         }
     }
 }
@@ -519,7 +588,8 @@ fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
 /// second until one succeeds, or until the database's expiry of the lease has certainly passed
 /// (then there is nothing left to release): a holder that regains the network hands over about
 /// a second later instead of at the expiry. A loss that renewal found applies the loss policy
-/// after the first release attempt. Then the thread waits for the store to shut it down.
+/// after the first release attempt (`Panic` ends the thread there, unanswered: see
+/// [`Keeper::ended`]). Then the thread waits for the store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
     let retry_every = config.renew_interval.min(MAX_NAP);
     let quick = config.release_timeout.min(Duration::from_secs(2));

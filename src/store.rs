@@ -364,6 +364,15 @@ impl PgKvStore {
     /// Returns the release's result, or [`Error::Timeout`] if operations were still running.
     /// Closing again returns `Ok` once nothing runs any more (while operations still hang, it
     /// waits `drop_timeout` for them too and returns `Timeout`).
+    ///
+    /// After a loss, the lost lease's row is released too, by owner id (a successor's lease is
+    /// never touched), if the renewal thread's own attempts have not done it yet; the result is
+    /// that release's: `Ok` when the row is released or was no longer this store's. The loss
+    /// itself was reported by the operations and [`PgKvStore::lease_state`]. Except under
+    /// [`crate::LeaseLossPolicy::Panic`] when renewal found the loss: the renewal thread ended
+    /// with its panic after a single attempt to release, and nothing releases the lease any
+    /// more (if that attempt failed, it expires by TTL), so `close()` returns
+    /// [`Error::LeaseLost`].
     pub async fn close(&self) -> Result<()> {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::SeqCst);

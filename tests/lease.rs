@@ -674,6 +674,67 @@ async fn panic_policy_panics_in_the_calling_task() {
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
 
+/// Under `LeaseLossPolicy::Panic`, a loss that renewal finds ends the renewal thread with a
+/// panic, after one attempt to release the lease and without the retries that `FailClosed`
+/// goes on with. `close()` then says that the lease was lost, not `Ok` as if it had released
+/// it: here the thread has ended before `close()` (its connection is gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_after_renewal_panicked_returns_lease_lost() {
+    let t = table("panicclose");
+    let store = builder(&t)
+        .application_name(&t)
+        .renew_interval(Duration::from_millis(300))
+        .on_lease_lost(LeaseLossPolicy::Panic)
+        .open()
+        .await
+        .unwrap();
+    steal_lease(&admin().await, &t).await;
+    common::wait_until_lost(&store).await;
+    // The renewal thread's session (the only one that ran the renewal or the release) closes
+    // when the thread ends.
+    let renewal = "SELECT 1 FROM pg_stat_activity WHERE application_name = $1 AND query LIKE $2";
+    let (app, statement) = (format!("pgfence {t}"), format!("%UPDATE {}%", lease_table(&t)));
+    let db = admin().await;
+    within("the renewal thread ends", async {
+        while !db.query(renewal, &[&app, &statement]).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let e = within("close", store.close()).await.unwrap_err();
+    assert!(matches!(e, Error::LeaseLost { epoch: 1, reason: LossReason::TakenOver }), "{e:?}");
+    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::TakenOver };
+    assert_eq!(*store.lease_state().borrow(), lost);
+    store.close().await.expect("closing again: nothing runs any more");
+}
+
+/// The same when `close()` comes while the renewal thread still tries to release the lost
+/// lease (held up by a lock on the lease row), before its panic: the thread takes the request
+/// only after the attempt, and ends with the panic instead of answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_during_the_release_before_the_renewal_panic_returns_lease_lost() {
+    let t = table("panicclose2");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(20))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .on_lease_lost(LeaseLossPolicy::Panic)
+        .open()
+        .await
+        .unwrap();
+    // FOR NO KEY UPDATE holds up the renewal (lost at the local deadline), then the release.
+    let mut blocker = admin().await;
+    let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
+    common::wait_until_lost(&store).await;
+    // The release also notifies standbys (`pg_notify`); the renewal does not.
+    common::wait_for_query_lock_wait(&format!("%UPDATE {}%pg_notify%", lease_table(&t))).await;
+    let e = within("close", store.close()).await.unwrap_err();
+    let lost =
+        |e: &Error| matches!(e, Error::LeaseLost { epoch: 1, reason: LossReason::DeadlinePassed });
+    assert!(lost(&e), "{e:?}");
+    tx.rollback().await.unwrap();
+}
+
 /// A store whose local deadline (3 s, TTL 6 s) a test can outwait, renewing every 500 ms: if
 /// renewal stalled, the lease would be lost within the test.
 fn short_deadline(t: &str) -> pgfence::Builder {
