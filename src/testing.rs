@@ -5,7 +5,7 @@
 //!
 //! - [`TestServer::shared`] gives every test of a process the same server: the one named by
 //!   `DATABASE_URL` when that is set, otherwise one private temporary cluster, started on first
-//!   use and stopped when the process ends.
+//!   use and stopped before the process exits.
 //! - [`TestCluster`] is a private cluster owned by one test, for tests that stop or restart the
 //!   server; [`TestCluster::start_tls`] makes one that takes TCP connections over TLS only, and
 //!   logs [`CERT_ROLE`] in by client certificate alone.
@@ -27,13 +27,26 @@
 //! is reported, and, on a TLS cluster, [`CERT_ROLE`], which must present its client
 //! certificate.
 //!
-//! Nothing is left running, however the test process ends. Rust never drops statics, and a
-//! panic that aborts or a `SIGKILL` runs no destructor at all, so every cluster gets a watchdog
-//! process when it is created: a small shell script that blocks reading a pipe whose only write
-//! end this process holds and never writes. When this process dies, for any reason, the kernel
-//! closes that write end, the script's read returns end-of-file, and the script stops the server
-//! (`pg_ctl stop -m immediate`) and deletes the cluster's directory. The watchdog runs in its own
-//! process group so that the Ctrl-C that kills the test process does not kill it too.
+//! Nothing is left running when the process ends. A [`TestCluster`] is stopped and deleted when
+//! it is dropped. The private shared server is a static, which Rust never drops; instead, its
+//! start registers a function with `atexit` that stops it (`pg_ctl stop -m immediate`), waits
+//! until its postmaster has exited, deletes its directory, and releases and reaps its watchdog
+//! (below). So when the process ends normally (`main` returns, [`std::process::exit`] is called,
+//! or the test harness exits after its last test, passed or failed), every process and file of
+//! the shared server is gone before the process has exited: whoever waits for the process and
+//! then looks finds nothing. Other threads may still be running at that moment; their
+//! connections to the server break. The stop never panics and is bounded: it normally takes a
+//! fraction of a second, and gives up after about 20 s.
+//!
+//! A process that is killed (`SIGKILL`, a Ctrl-C it does not handle) or that aborts (a panic
+//! with `panic = "abort"`) runs no destructor and no `atexit` function at all, so every cluster
+//! also gets a watchdog process when it is created: a small shell script that blocks reading a
+//! pipe whose only write end this process holds and never writes. When this process dies, for
+//! any reason, the kernel closes that write end, the script's read returns end-of-file, and the
+//! script stops the server (`pg_ctl stop -m immediate`) and deletes the cluster's directory. That
+//! happens shortly after the process is gone, not before. After a normal end the watchdog finds
+//! nothing left to do. It runs in its own process group so that the Ctrl-C that kills the test
+//! process does not kill it too.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
@@ -142,6 +155,19 @@ ALTER ROLE pgfence_pw_test LOGIN PASSWORD 'right-password';
 COMMIT;
 ";
 
+/// How long `pg_ctl` waits for a server to start, or to stop in fast mode (`-t`).
+const PG_CTL_WAIT: Duration = Duration::from_secs(60);
+
+/// How long the end of a cluster ([`Cluster::shut_down`]) waits for the immediate stop (`pg_ctl
+/// -t`); then for the postmaster's exit, and for the watchdog's, [`REAP_WAIT`] each. Bounded,
+/// because for the shared cluster this delays the exit of the process: [`SHUT_DOWN_WAIT`] plus
+/// twice [`REAP_WAIT`] is the "about 20 s" of the module docs. An immediate stop takes milliseconds
+/// (the postmaster `SIGKILL`s children that have not quit after 5 s).
+const SHUT_DOWN_WAIT: Duration = Duration::from_secs(10);
+
+/// See [`SHUT_DOWN_WAIT`].
+const REAP_WAIT: Duration = Duration::from_secs(5);
+
 /// The watchdog of a private cluster (see the module docs). Arguments: `$1` the `pg_ctl`
 /// binary, `$2` the data directory, `$3` the cluster's directory to delete.
 const WATCHDOG_SCRIPT: &str = r#"cat >/dev/null 2>&1
@@ -182,7 +208,9 @@ impl TestServer {
     /// and that server is used; no process is started. Otherwise the first call starts one
     /// private temporary cluster (see the [module docs](self)) and every later call, from any
     /// thread, returns that same cluster; concurrent first calls wait for the one start. The
-    /// cluster is stopped and deleted when the process ends, however it ends.
+    /// cluster is stopped and deleted before the process exits, when it ends normally (`main`
+    /// returns, [`std::process::exit`], the test harness exiting); a process that is killed or
+    /// aborts leaves that to the cluster's watchdog, which does it shortly after.
     ///
     /// This blocks while the cluster starts (a few seconds), also when called from async code.
     /// A failed start is not retried: every call returns the same error.
@@ -209,7 +237,12 @@ impl TestServer {
                 }
                 Ok(TestServer { kind: ServerKind::External { config, url } })
             }
-            _ => Ok(TestServer { kind: ServerKind::Private(Cluster::launch()?) }),
+            _ => {
+                let cluster = Cluster::launch()?;
+                // Once: `init` runs once per process. On an error, dropping `cluster` stops it.
+                stop_shared_cluster_at_exit()?;
+                Ok(TestServer { kind: ServerKind::Private(cluster) })
+            }
         }
     }
 
@@ -324,6 +357,46 @@ impl TestServer {
     }
 }
 
+/// The process that registered [`stop_shared_cluster`] with `atexit`. A child forked from it
+/// without `exec` inherits the registration and must not stop a cluster that is not its own.
+static SHARED_CLUSTER_OWNER: AtomicU32 = AtomicU32::new(0);
+
+/// Makes the normal exit of this process stop the private shared cluster first (see the module
+/// docs).
+///
+/// Why `atexit`: std has no hook run at exit, and statics are never dropped. `exit` runs
+/// `atexit` functions both when `main` returns and on [`std::process::exit`], and the test
+/// harness ends in one or the other.
+fn stop_shared_cluster_at_exit() -> io::Result<()> {
+    SHARED_CLUSTER_OWNER.store(std::process::id(), Ordering::SeqCst);
+    // SAFETY: `atexit` only records the function; `stop_shared_cluster` takes nothing and never
+    // unwinds.
+    #[allow(unsafe_code)]
+    let status = unsafe { libc::atexit(stop_shared_cluster) };
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::other("could not register the stop of the shared test cluster (atexit)"))
+    }
+}
+
+/// Run by `exit`, on the exiting thread. Other threads may still be running and using the
+/// server; stopping it under them is the point.
+extern "C" fn stop_shared_cluster() {
+    if std::process::id() != SHARED_CLUSTER_OWNER.load(Ordering::SeqCst) {
+        return;
+    }
+    // Unwinding out of an `extern "C"` function aborts. Nothing below should panic, but should
+    // it, the exit goes on and the watchdog cleans up after it.
+    let _ = std::panic::catch_unwind(|| {
+        // `get`, not `shared()`: never start a server now, nor wait for a start in progress on
+        // another thread (that cluster is left to its watchdog).
+        if let Some(Ok(TestServer { kind: ServerKind::Private(cluster) })) = SHARED.get() {
+            cluster.shut_down();
+        }
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Caller-owned cluster
 // ---------------------------------------------------------------------------------------------
@@ -414,7 +487,7 @@ impl TestCluster {
     /// Stops the server in fast mode (`pg_ctl stop -m fast`): sessions are terminated, the
     /// server shuts down cleanly, and this returns once it is down.
     pub fn stop(&self) -> io::Result<()> {
-        self.cluster.stop("fast")
+        self.cluster.stop("fast", PG_CTL_WAIT)
     }
 
     /// Starts the server again after [`TestCluster::stop`], on the same data directory and port,
@@ -481,8 +554,8 @@ impl TestCluster {
 /// A private cluster: the launcher behind both [`TestServer`] and [`TestCluster`].
 ///
 /// Layout: `root/data` (`PGDATA`), `root/sock` (Unix socket directory), `root/server.log`.
-/// Dropping it stops the server and deletes `root`; the shared server's is never dropped and
-/// is cleaned up by its watchdog.
+/// Dropping it stops the server and deletes `root` ([`Cluster::shut_down`]); the shared
+/// server's is never dropped, and is shut down by [`stop_shared_cluster`] at exit instead.
 #[derive(Debug)]
 struct Cluster {
     bin_dir: PathBuf,
@@ -684,7 +757,7 @@ impl Cluster {
              ssl_ca_file = 'root.crt'\n",
         );
         fs::write(&conf, text)?;
-        self.stop("fast")?;
+        self.stop("fast", PG_CTL_WAIT)?;
         self.start()?;
         Ok(TlsFiles {
             root: ca.pem(),
@@ -741,7 +814,9 @@ impl Cluster {
             .arg(&self.data_dir)
             .arg("-l")
             .arg(&self.log_file)
-            .args(["-w", "-t", "60", "-o"])
+            .args(["-w", "-t"])
+            .arg(PG_CTL_WAIT.as_secs().to_string())
+            .arg("-o")
             .arg(format!("-p {}", self.port))
             .output()
             .map_err(|e| annotate(e, "could not run pg_ctl start".to_owned()))?;
@@ -772,15 +847,50 @@ impl Cluster {
         ))
     }
 
-    fn stop(&self, mode: &str) -> io::Result<()> {
+    /// `pg_ctl stop -m <mode>`, waiting at most `wait` for the server to be down.
+    fn stop(&self, mode: &str, wait: Duration) -> io::Result<()> {
         run(
             self.command(&self.bin("pg_ctl"))
                 .arg("stop")
                 .arg("-D")
                 .arg(&self.data_dir)
-                .args(["-m", mode, "-w", "-t", "60"]),
+                .args(["-m", mode, "-w", "-t"])
+                .arg(wait.as_secs().to_string()),
             "pg_ctl stop",
         )
+    }
+
+    /// Stops the server in immediate mode, waits until its postmaster has exited, deletes
+    /// `root`, then releases the watchdog, which finds nothing left to do, and reaps it.
+    ///
+    /// Best effort, bounded (see [`SHUT_DOWN_WAIT`]) and never panicking: it runs on drop and,
+    /// for the shared cluster, while the process exits. The server may not be running (stopped
+    /// by the test, or never started), and the watchdog retries both steps anyway.
+    fn shut_down(&self) {
+        let postmaster = self.postmaster_pid();
+        if self.stop("immediate", SHUT_DOWN_WAIT).is_ok() {
+            if let Some(pid) = postmaster {
+                // `pg_ctl stop -w` returns once `postmaster.pid` is gone, which the postmaster
+                // deletes (after all its children have exited) a moment before it exits itself.
+                // It is not our child (`pg_ctl` daemonizes it), so poll. Should its pid be
+                // reused in that moment, this only waits out its bound.
+                wait_until(REAP_WAIT, || !is_running(pid));
+            }
+        }
+        let _ = fs::remove_dir_all(&self.root);
+        let watchdog = self.watchdog.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(Watchdog { mut child, stdin }) = watchdog {
+            // Releasing the watchdog finds nothing left to do; wait (bounded) so it is reaped.
+            drop(stdin);
+            wait_until(REAP_WAIT, || !matches!(child.try_wait(), Ok(None)));
+        }
+    }
+
+    /// The postmaster's process id, from `postmaster.pid`; `None` when the server is not
+    /// running (or the file is unreadable).
+    fn postmaster_pid(&self) -> Option<u32> {
+        let pid_file = fs::read_to_string(self.data_dir.join("postmaster.pid")).ok()?;
+        pid_file.lines().next()?.trim().parse().ok()
     }
 
     fn create_password_role(&self) -> io::Result<()> {
@@ -817,20 +927,27 @@ impl TlsFiles {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // Best effort, never panicking: the server may not be running (stopped by the test, or
-        // never started), and the watchdog retries both steps anyway.
-        let _ = self.stop("immediate");
-        let _ = fs::remove_dir_all(&self.root);
-        let watchdog = self.watchdog.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(Watchdog { mut child, stdin }) = watchdog {
-            // Releasing the watchdog finds nothing left to do; wait (bounded) so it is reaped.
-            drop(stdin);
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                thread::sleep(Duration::from_millis(10));
-            }
-        }
+        self.shut_down();
     }
+}
+
+/// Calls `done` every 10 ms until it returns true or `limit` has passed.
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether process `pid` is running: it exists and has not exited. A zombie (exited, not yet
+/// reaped by its parent) holds no port, memory or file any more, so it does not count.
+fn is_running(pid: u32) -> bool {
+    // "pid (comm) state ...": the command name may hold spaces and parentheses, so the state is
+    // the first field after the last ')'.
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+        !matches!(state, None | Some("Z" | "X" | "x"))
+    })
 }
 
 /// The directory holding `initdb`, `pg_ctl` and `postgres`: the first such directory on
