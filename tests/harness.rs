@@ -1,12 +1,12 @@
 //! Checks of the test harness itself (`pgfence::testing`): the shared server, caller-owned
-//! clusters, the cleanup after a killed test process, and the fault-injecting proxy.
+//! clusters, the cleanup when a test process exits or is killed, and the fault-injecting proxy.
 //!
 //! Like every test of the crate, these need a real PostgreSQL: `DATABASE_URL`, or the server
 //! binaries to start a private cluster. Without either they fail; none of them skips.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -177,9 +177,7 @@ fn killed_test_process_leaves_no_server() {
         let cluster = TestCluster::start().expect("start a private cluster");
         let shared = shared();
         for data_dir in [cluster.data_dir(), shared.data_dir().expect("private shared server")] {
-            let pid_file = std::fs::read_to_string(data_dir.join("postmaster.pid")).unwrap();
-            let pid = pid_file.lines().next().unwrap();
-            println!("CHILD-SERVER {pid} {}", data_dir.display());
+            println!("CHILD-SERVER {} {}", postmaster_pid(data_dir), data_dir.display());
         }
         println!("CHILD-READY");
         // Wait to be killed. Should the parent die first, its end of our stdin closes.
@@ -243,6 +241,120 @@ fn killed_test_process_leaves_no_server() {
         assert!(!root.exists(), "{} left behind", root.display());
     }
     eprintln!("servers of the killed process gone after {:?}", killed.elapsed());
+}
+
+/// The postmaster's process id, from the first line of `postmaster.pid` in `data_dir`.
+fn postmaster_pid(data_dir: &Path) -> u32 {
+    let pid_file = std::fs::read_to_string(data_dir.join("postmaster.pid")).unwrap();
+    pid_file.lines().next().unwrap().trim().parse().unwrap()
+}
+
+/// Whether process `pid` exists and has not exited. A zombie (exited, not yet reaped by its
+/// parent) holds no port, memory or file any more, so it does not count.
+fn is_running(pid: u32) -> bool {
+    // "pid (comm) state ...": the state is the first field after the last ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+        !matches!(state, None | Some("Z" | "X" | "x"))
+    })
+}
+
+/// The running processes whose command line contains `text`, as `pid: command line`.
+fn processes_mentioning(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else {
+            continue;
+        };
+        // Gone since the listing: not running.
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(text) && is_running(pid) {
+            found.push(format!("{pid}: {}", cmdline.trim_end()));
+        }
+    }
+    found
+}
+
+/// When set, [`exited_test_process_leaves_no_server`] plays the test process that exits.
+const EXITING_CHILD_ENV: &str = "PGFENCE_HARNESS_EXITING_CHILD";
+
+/// A test process that ends normally has stopped its private shared server, deleted its
+/// directory and reaped its watchdog before it has exited: nothing of it is left for whoever
+/// waited for the process, not even a moment later. (A killed one relies on the watchdog, which
+/// cleans up only after the process is gone: [`killed_test_process_leaves_no_server`].)
+#[test]
+fn exited_test_process_leaves_no_server() {
+    if std::env::var_os(EXITING_CHILD_ENV).is_some() {
+        // The child: start the shared server, keep a connection to it open on another thread,
+        // report the server, and pass. libtest then exits the process with that thread still
+        // running.
+        let server = shared();
+        let data_dir = server.data_dir().expect("private shared server").to_owned();
+        let config = server.config();
+        let (connected, is_connected) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            runtime.expect("a runtime").block_on(async {
+                let _client = connect(&config).await;
+                connected.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+        });
+        is_connected.recv().expect("the connected thread failed");
+        println!("CHILD-SERVER {} {}", postmaster_pid(&data_dir), data_dir.display());
+        return;
+    }
+
+    // The parent: run this same test as a child process, wait for it to exit, and look at once.
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "exited_test_process_leaves_no_server",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(EXITING_CHILD_ENV, "1")
+        // The child's shared server must be a private one, also when DATABASE_URL is set here.
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the child test process");
+    // The checks come first, before anything that takes time: the watchdog would clean up a
+    // moment later anyway, and must not be what passes this test.
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    // libtest may print "test <name> ... " in front of the line.
+    let server =
+        stdout.lines().find_map(|line| line.split_once("CHILD-SERVER ")).map(|(_, rest)| {
+            let (pid, dir) = rest.split_once(' ').unwrap();
+            (pid.parse::<u32>().unwrap(), PathBuf::from(dir))
+        });
+    let Some((pid, data_dir)) = server else {
+        panic!(
+            "the child reported no server ({}):\n{stdout}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let root = data_dir.parent().unwrap();
+    let postmaster_running = is_running(pid);
+    let root_exists = root.exists();
+    let left = processes_mentioning(&root.to_string_lossy());
+
+    assert!(
+        output.status.success(),
+        "the child test failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!postmaster_running, "postmaster {pid} still running after its test process exited");
+    assert!(!root_exists, "{} still there after its test process exited", root.display());
+    assert!(
+        left.is_empty(),
+        "processes of the cluster in {} still running after its test process exited \
+         (server or watchdog): {left:#?}",
+        root.display()
+    );
 }
 
 /// Via a proxy: a query works; a delay slows it down; refusing blocks new connections only;
