@@ -3,7 +3,8 @@
 //! Every mutation of a key takes a version number synchronously, in the call to `write` or
 //! `remove`. When its future runs it takes the key's async lock and applies its change only if
 //! no later version has been applied yet; otherwise it was superseded and returns `Ok` without
-//! touching the database (the later call's value is the one the caller asked for last). So
+//! touching the database (the later call's value is the one the caller asked for last), unless
+//! the store has lost its lease meanwhile: then it fails closed like every operation. So
 //! whatever order futures are polled or complete in, the key ends in the state of the last
 //! call that succeeded, and an earlier call can never overwrite a later one.
 //!

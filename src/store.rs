@@ -508,7 +508,10 @@ impl Inner {
     /// Runs one fenced mutation in its key's turn (see [`crate::coalesce`]).
     async fn mutate(&self, ticket: Ticket, mutation: Mutation) -> Result<()> {
         let Some(turn) = ticket.turn().await else {
-            return Ok(()); // A later call to this key is already committed.
+            // A later call to this key is already committed: nothing to write. But a store
+            // that has lost its lease still fails, as every key operation (and an all-superseded
+            // batch) does: `Ok` would vouch for a key a successor may have overwritten since.
+            return self.lease.check();
         };
         self.apply_coalesced(ticket.path(), mutation).await?;
         turn.applied();

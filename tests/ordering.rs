@@ -2,6 +2,7 @@
 
 mod common;
 
+use pgfence::Error;
 use rand::seq::SliceRandom;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,4 +64,31 @@ fn futures_box(
     f: impl std::future::Future<Output = pgfence::Result<()>> + Send + 'static,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = pgfence::Result<()>> + Send>> {
     Box::pin(f)
+}
+
+/// A call superseded by a later call of its key skips the database, but once the store has lost
+/// its lease it must still fail (fail closed: every key operation returns `LeaseLost`,
+/// permanently), as an all-superseded batch does. `Ok` would tell the caller that its change or
+/// its own later one stands, when a successor may already have overwritten the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_calls_fail_closed_after_the_lease_is_lost() {
+    let table = common::table("ordlost");
+    let store = common::open(&table).await;
+    // Calls, in this order; only the last one is awaited before the loss.
+    let earlier_write = store.write("o", "s", "k", b"earlier".to_vec());
+    let earlier_remove = store.remove("o", "s", "k", false);
+    let earlier_batch = store.batch().put("o", "s", "k", b"batch".to_vec()).commit();
+    store.write("o", "s", "k", b"later".to_vec()).await.unwrap();
+
+    let admin = common::admin().await;
+    common::steal_lease(&admin, &table).await;
+    let found = store.write("o", "s", "other", vec![]).await.unwrap_err();
+    assert!(found.is_lease_lost(), "the write after the takeover is fenced: {found:?}");
+
+    let write = common::within("superseded write", earlier_write).await;
+    assert!(matches!(write, Err(Error::LeaseLost { .. })), "superseded write: {write:?}");
+    let remove = common::within("superseded remove", earlier_remove).await;
+    assert!(matches!(remove, Err(Error::LeaseLost { .. })), "superseded remove: {remove:?}");
+    let batch = common::within("superseded batch", earlier_batch).await;
+    assert!(matches!(batch, Err(Error::LeaseLost { .. })), "superseded batch: {batch:?}");
 }
