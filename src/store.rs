@@ -584,13 +584,36 @@ impl Inner {
     /// A mutation that ends in an error after such an attempt may have committed all the same.
     /// Its callers' turns would then be released as not applied, and an earlier call of the
     /// same key could run and overwrite the committed value; so the store fails closed
-    /// (`WriteOutcomeUnknown`) instead of returning that error.
+    /// (`WriteOutcomeUnknown`) instead of returning that error. So it does if the mutation's
+    /// task is dropped (its runtime shut down) after such an attempt and before a retry was
+    /// answered, between attempts included.
     async fn run(
         &self,
         operation: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
+    ) -> Result<Vec<Row>> {
+        // Armed from the first attempt that broke after it was sent until this returns: the
+        // old session being gone only means nothing of it can land *later*; it may have
+        // committed already. Every return settles it: `Ok` is a committed retry, and every
+        // error after such an attempt has failed the store closed already.
+        let mut unresolved = None;
+        let result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
+        if let Some(unresolved) = unresolved {
+            unresolved.settled();
+        }
+        result
+    }
+
+    /// The attempts of [`Inner::run`]; arms `unresolved` once one may have committed.
+    async fn attempts<'a>(
+        &'a self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        mutation: bool,
+        unresolved: &mut Option<OutcomePending<'a>>,
     ) -> Result<Vec<Row>> {
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
@@ -637,6 +660,7 @@ impl Inner {
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
                     maybe_committed = true;
+                    unresolved.get_or_insert(OutcomePending { lease: &self.lease });
                     self.await_backend_gone(backend).await
                 }
                 _ => Ok(()),
@@ -844,6 +868,9 @@ impl Drop for Checkout {
 /// shut down) or unwound by a panic, it marks the lease lost (`WriteOutcomeUnknown`): nobody
 /// will learn that outcome, the key's turn is gone with the task, and the statement may still
 /// commit after a later call of the same key. [`OutcomePending::settled`] disarms it.
+/// [`Inner::run`] also keeps one armed from an attempt that broke after it was sent until a
+/// retry is answered: that attempt may have committed, and the turn, handed on as not applied,
+/// would let an earlier call of the key overwrite it.
 struct OutcomePending<'a> {
     lease: &'a Lease,
 }

@@ -260,6 +260,82 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
     store.close().await.unwrap();
 }
 
+/// A write's first attempt commits on the server but its connection breaks before the answer
+/// arrives; the store ends that session (its transaction is then decided: here, committed) and
+/// is about to retry when the runtime running the write's task shuts down. The write may have
+/// committed, so the key's turn, gone with the task, must not be handed on as if nothing had
+/// been written: an earlier call of the key, waiting for that turn, would then overwrite the
+/// later call's committed value. The store must fail closed instead, as it does when the
+/// retries end in an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_closed() {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("dropretry");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+
+    // Calls, in this order: `earlier`, then the write of `gate1`, whose task runs on a runtime
+    // of its own and takes the key's turn first (it waits at gate 1, inside its statement).
+    let earlier = store.write("r", "s", "k", b"earlier".to_vec());
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
+    gates.wait_for(1, "").await;
+    let earlier = tokio::spawn(earlier); // Waits for the key's turn.
+    let at_gate = "SELECT client_port FROM pg_stat_activity \
+                   WHERE wait_event = 'advisory' AND query LIKE $1";
+    let pattern = format!("%INSERT INTO \"{t}\"%");
+    let port: i32 = admin().await.query_one(at_gate, &[&pattern]).await.unwrap().get(0);
+    proxy.stall(u16::try_from(port).unwrap()); // Its answer will never arrive.
+
+    // An administrator's lock on the table, queued behind the write: granted once the write
+    // has committed, it then holds up the retry (preparing it on a new connection needs it).
+    let (committed, value) = tokio::sync::oneshot::channel();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let locker = tokio::spawn({
+        let t = t.clone();
+        async move {
+            let mut db = admin().await;
+            let tx = db.transaction().await.unwrap();
+            tx.batch_execute(&format!("LOCK TABLE \"{t}\" IN ACCESS EXCLUSIVE MODE"))
+                .await
+                .unwrap();
+            let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+            committed.send(tx.query_one(&sql, &[]).await.unwrap().get::<_, Vec<u8>>(0)).unwrap();
+            let _ = released.await;
+            tx.rollback().await.unwrap();
+        }
+    });
+    let waiting = "SELECT 1 FROM pg_locks WHERE relation = to_regclass($1) AND NOT granted";
+    common::wait_for_row("the lock queued", waiting, &[&format!("\"{t}\"")]).await;
+    gates.open('1').await;
+    let value = within("the write commits", value).await.unwrap();
+    assert_eq!(value, b"gate1", "the later call committed");
+
+    proxy.cut_all(); // The write learns nothing of its outcome; its session is then ended.
+    common::wait_for_row("the retry held up", waiting, &[&format!("\"{t}\"")]).await;
+    doomed.shutdown_background();
+    let outcome = outcome_of(caller).await;
+
+    release.send(()).unwrap();
+    within("administrator", locker).await.unwrap();
+    let earlier = within("earlier", earlier).await.unwrap();
+    assert_eq!(value_of(&t, "k").await, b"gate1", "the earlier call overwrote the later one");
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "the caller learns the outcome is unknown: {outcome:?}"
+    );
+    assert!(matches!(earlier, Err(Error::LeaseLost { .. })), "earlier: {earlier:?}");
+    store.close().await.unwrap();
+}
+
 /// A server that stops answering with the connections still up (here a proxy that holds back
 /// everything from the moment a write is running on the server: its answer, a read, renewal).
 /// The operations waiting for an answer return `LeaseLost` (`DeadlinePassed`) at the local
