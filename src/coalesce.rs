@@ -26,6 +26,7 @@ use tokio::sync::{Semaphore, oneshot};
 
 use crate::batch;
 use crate::error::{KeyPath, LossReason, Result};
+use crate::lease::Lease;
 use crate::store::{Inner, Mutation};
 
 /// The most mutations one shared statement carries.
@@ -114,7 +115,7 @@ impl Inner {
         self.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
         self.coalescer.push(Queued { path: path.clone(), mutation, done });
-        let waiting = Waiting { inner: self, path };
+        let mut waiting = Waiting { inner: self, path, carrying_own: false };
         // While its mutation is queued, a caller competes for a statement; with one, it takes
         // the oldest queued mutations (its own among them unless more than a group is queued)
         // and runs them. So whatever is queued always has a caller about to run it. Once its
@@ -133,7 +134,9 @@ impl Inner {
                     if group.is_empty() {
                         break; // Ours is in another caller's statement.
                     }
+                    waiting.carrying_own = group.iter().any(|queued| queued.path == *path);
                     self.run_group(group).await;
+                    waiting.carrying_own = false;
                 }
             }
         }
@@ -159,10 +162,12 @@ impl Inner {
     }
 
     /// Runs the statement of a taken group and reports to every caller in it.
-    async fn run_group(&self, mut group: Vec<Queued>) {
+    async fn run_group(&self, group: Vec<Queued>) {
+        let mut carried = Carried { lease: &self.lease, group };
+        let group = &mut carried.group;
         if group.len() == 1 {
-            let Queued { path, mutation, done } = group.pop().expect("one mutation");
-            let result = self.apply_alone(&path, &mutation).await;
+            let result = self.apply_alone(&group[0].path, &group[0].mutation).await;
+            let Queued { done, .. } = group.pop().expect("one mutation");
             // The caller waits for this (its task runs to the end); nothing to do if not.
             let _ = done.send(Outcome::Done(result));
             return;
@@ -174,7 +179,7 @@ impl Inner {
             tracing::warn!(error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
         }
-        for Queued { mutation, done, .. } in group {
+        for Queued { mutation, done, .. } in group.drain(..) {
             let outcome = match result {
                 Ok(()) => Outcome::Done(Ok(())),
                 Err(_) => Outcome::Alone(mutation),
@@ -184,14 +189,40 @@ impl Inner {
     }
 }
 
+/// The queued mutations a statement carries, until their callers are told its outcome.
+/// Dropped before that (the task running the statement was dropped: its runtime shut down), it
+/// tells them what can be known. If the statement may have been sent, the task's own guard in
+/// `Inner::run` (`store::OutcomePending`, dropped first) has marked the lease lost, and the
+/// callers learn that their outcome is unknown (their channel closes). Otherwise nothing of the
+/// statement can ever land, and each caller gets its mutation back to run on its own, as after
+/// a failed shared statement: the store need not fail closed for a statement that never ran.
+struct Carried<'a> {
+    lease: &'a Lease,
+    group: Vec<Queued>,
+}
+
+impl Drop for Carried<'_> {
+    fn drop(&mut self) {
+        if self.lease.is_lost() {
+            return;
+        }
+        for Queued { mutation, done, .. } in self.group.drain(..) {
+            let _ = done.send(Outcome::Alone(mutation));
+        }
+    }
+}
+
 /// Held by a caller from queueing its mutation until it has the report of the statement that
 /// carried it. Dropped before that (the caller's task was dropped: its runtime shut down), it
-/// withdraws the mutation if it is still queued; if a statement already carries it, that
-/// statement may commit it after a later call of the key (whose turn is gone with the task),
-/// so the store fails closed, as for a statement of one's own (see `store::OutcomePending`).
+/// withdraws the mutation if it is still queued, and lets it go if its own statement carried it
+/// and was never sent (see [`Carried`]); if a statement may carry it, that statement may commit
+/// it after a later call of the key (whose turn is gone with the task), so the store fails
+/// closed, as for a statement of one's own (see `store::OutcomePending`).
 struct Waiting<'a> {
     inner: &'a Inner,
     path: &'a KeyPath,
+    /// Whether the caller's mutation is in the statement this caller itself is running.
+    carrying_own: bool,
 }
 
 impl Waiting<'_> {
@@ -202,10 +233,16 @@ impl Waiting<'_> {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if !self.inner.coalescer.withdraw(self.path) {
-            tracing::error!("pgfence mutation dropped while a shared statement may still run it");
-            self.inner.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
+        if self.inner.coalescer.withdraw(self.path) {
+            return; // Still queued: it never runs.
         }
+        // In this caller's own statement, which (dropped before this) marked the lease lost
+        // if it may have been sent: not lost, it never ran.
+        if self.carrying_own && !self.inner.lease.is_lost() {
+            return;
+        }
+        tracing::error!("pgfence mutation dropped while a shared statement may still run it");
+        self.inner.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
     }
 }
 

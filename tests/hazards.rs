@@ -235,6 +235,57 @@ async fn settle() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 }
 
+/// An administrator's `ACCESS EXCLUSIVE` lock on a table, queued behind the statements using
+/// it when requested and held until released. While it is held, preparing a statement on the
+/// table, on a connection that has not prepared it yet, waits for it: an attempt held up
+/// before anything of it was sent.
+struct TableLock {
+    table: String,
+    granted: Option<tokio::sync::oneshot::Receiver<Vec<u8>>>,
+    release: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TableLock {
+    /// Requests the lock on `table` (where key `k` exists) and returns once the request waits.
+    async fn queue(table: &str) -> TableLock {
+        let (granted, granted_rx) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let t = table.to_owned();
+        let task = tokio::spawn(async move {
+            let mut db = admin().await;
+            let tx = db.transaction().await.unwrap();
+            tx.batch_execute(&format!("LOCK TABLE \"{t}\" IN ACCESS EXCLUSIVE MODE"))
+                .await
+                .unwrap();
+            let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+            granted.send(tx.query_one(&sql, &[]).await.unwrap().get(0)).unwrap();
+            let _ = released.await;
+            tx.rollback().await.unwrap();
+        });
+        let lock = TableLock { table: table.to_owned(), granted: Some(granted_rx), release, task };
+        lock.wait_for_a_waiter().await;
+        lock
+    }
+
+    /// Waits until the lock is granted; returns the value of `k` then.
+    async fn granted(&mut self) -> Vec<u8> {
+        let granted = self.granted.take().expect("asked once");
+        within("table lock granted", granted).await.unwrap()
+    }
+
+    /// Waits until a request for a lock on the table waits (once granted: behind this one).
+    async fn wait_for_a_waiter(&self) {
+        let sql = "SELECT 1 FROM pg_locks WHERE relation = to_regclass($1) AND NOT granted";
+        common::wait_for_row("a lock request waits", sql, &[&format!("\"{}\"", self.table)]).await
+    }
+
+    async fn release(self) {
+        self.release.send(()).unwrap();
+        within("table lock released", self.task).await.unwrap();
+    }
+}
+
 /// A write's statement is running on the server when the runtime running its task shuts down
 /// (the store itself lives on: it was opened on another runtime, and renewal has its own
 /// thread). Nobody can learn that statement's outcome, and it still commits later, so the key's
@@ -297,35 +348,16 @@ async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_
 
     // An administrator's lock on the table, queued behind the write: granted once the write
     // has committed, it then holds up the retry (preparing it on a new connection needs it).
-    let (committed, value) = tokio::sync::oneshot::channel();
-    let (release, released) = tokio::sync::oneshot::channel::<()>();
-    let locker = tokio::spawn({
-        let t = t.clone();
-        async move {
-            let mut db = admin().await;
-            let tx = db.transaction().await.unwrap();
-            tx.batch_execute(&format!("LOCK TABLE \"{t}\" IN ACCESS EXCLUSIVE MODE"))
-                .await
-                .unwrap();
-            let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
-            committed.send(tx.query_one(&sql, &[]).await.unwrap().get::<_, Vec<u8>>(0)).unwrap();
-            let _ = released.await;
-            tx.rollback().await.unwrap();
-        }
-    });
-    let waiting = "SELECT 1 FROM pg_locks WHERE relation = to_regclass($1) AND NOT granted";
-    common::wait_for_row("the lock queued", waiting, &[&format!("\"{t}\"")]).await;
+    let mut lock = TableLock::queue(&t).await;
     gates.open('1').await;
-    let value = within("the write commits", value).await.unwrap();
-    assert_eq!(value, b"gate1", "the later call committed");
+    assert_eq!(lock.granted().await, b"gate1", "the later call committed");
 
     proxy.cut_all(); // The write learns nothing of its outcome; its session is then ended.
-    common::wait_for_row("the retry held up", waiting, &[&format!("\"{t}\"")]).await;
+    lock.wait_for_a_waiter().await; // The retry, held up.
     doomed.shutdown_background();
     let outcome = outcome_of(caller).await;
 
-    release.send(()).unwrap();
-    within("administrator", locker).await.unwrap();
+    lock.release().await;
     let earlier = within("earlier", earlier).await.unwrap();
     assert_eq!(value_of(&t, "k").await, b"gate1", "the earlier call overwrote the later one");
     assert!(
@@ -505,6 +537,42 @@ async fn queued_write_whose_runtime_shuts_down_before_its_statement_is_withdrawn
     within("hold", hold).await.unwrap().unwrap();
     within("x", x).await.unwrap().unwrap();
     assert_eq!(value_of(&t, "k").await, b"first", "the withdrawn write never ran");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    store.close().await.unwrap();
+}
+
+/// A queued write whose runtime shuts down after its caller took a group of queued writes for
+/// a shared statement, but before that statement was sent (preparing it waits for an
+/// administrator's table lock): nothing of the group can land, so this is the same as a write
+/// withdrawn from the queue. Its caller gets `Closed`, the other write of the group runs on its
+/// own, and the store goes on, instead of failing closed for a statement that never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_write_whose_runtime_shuts_down_before_its_shared_statement_is_sent() {
+    let (t, store, gates) = gated_store("rtdowns", 1).await;
+
+    // The only statement allowed is busy (behind gate 1); `k` queues, then `x` behind it.
+    let hold = tokio::spawn(store.write("r", "s", "hold", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"dropped");
+    settle().await;
+    let x = tokio::spawn(store.write("r", "s", "x", b"x".to_vec()));
+    settle().await;
+    // The statement frees up: `k`'s caller, first in line for it, takes the group (k, x) and
+    // prepares its statement (never prepared on any connection so far), held up by the lock.
+    let mut lock = TableLock::queue(&t).await;
+    gates.open('1').await;
+    within("hold", hold).await.unwrap().unwrap();
+    lock.granted().await;
+    lock.wait_for_a_waiter().await;
+    doomed.shutdown_background();
+    let outcome = outcome_of(caller).await;
+
+    lock.release().await;
+    let x = within("x", x).await.unwrap();
+    assert!(matches!(outcome, Err(Error::Closed)), "nothing ran: {outcome:?}");
+    assert!(x.is_ok(), "x runs on its own: {x:?}");
+    assert_eq!(value_of(&t, "x").await, b"x");
+    assert_eq!(value_of(&t, "k").await, b"first", "the dropped write never ran");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
 }
