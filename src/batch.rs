@@ -12,11 +12,18 @@ use crate::keys::check_key;
 use crate::ordering::Ticket;
 use crate::store::{Inner, Mutation, PgKvStore, admitted};
 
-/// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values:
-/// 512 MiB. A batch is one statement, and PostgreSQL refuses a protocol message (and an array
-/// of values) of 1 GiB or more by closing the connection; this keeps every batch well below
-/// that, with a typed error ([`Error::BatchTooLarge`]) before any SQL instead.
+/// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values, and
+/// 16 bytes more for each operation (the lengths that go with them on the wire): 512 MiB. A batch is one statement,
+/// and PostgreSQL refuses a protocol message (and an array of values) of 1 GiB or more by
+/// closing the connection; this keeps every batch well below that, with a typed error
+/// ([`Error::BatchTooLarge`]) before any SQL instead.
 pub const MAX_BATCH_BYTES: usize = 512 << 20;
+
+/// What each operation of a batch adds to its size besides its keys, namespaces and value: the
+/// statement sends them as array elements, each with a 4-byte length. Without it, a batch of
+/// many tiny operations (some 30 million, each with a one-byte key) would pass
+/// [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB message limit.
+const BATCH_BYTES_PER_OPERATION: usize = 16;
 
 /// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
 /// [`Batch::commit`].
@@ -151,9 +158,13 @@ impl Batch {
     }
 }
 
-/// [`Error::BatchTooLarge`] if the operations' keys and values add up to more than
-/// [`MAX_BATCH_BYTES`].
+/// [`Error::BatchTooLarge`] if the operations' keys and values, and
+/// [`BATCH_BYTES_PER_OPERATION`] for each, add up to more than [`MAX_BATCH_BYTES`].
 fn too_large(ops: &BTreeMap<(String, String, String), Mutation>) -> Option<Error> {
+    too_large_for(ops, MAX_BATCH_BYTES)
+}
+
+fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize) -> Option<Error> {
     let len: usize = ops
         .iter()
         .map(|((primary, secondary, key), op)| {
@@ -161,10 +172,10 @@ fn too_large(ops: &BTreeMap<(String, String, String), Mutation>) -> Option<Error
                 Mutation::Write(value) => value.len(),
                 Mutation::Remove => 0,
             };
-            primary.len() + secondary.len() + key.len() + value
+            primary.len() + secondary.len() + key.len() + value + BATCH_BYTES_PER_OPERATION
         })
         .sum();
-    (len > MAX_BATCH_BYTES).then_some(Error::BatchTooLarge { len, max: MAX_BATCH_BYTES })
+    (len > max).then_some(Error::BatchTooLarge { len, max })
 }
 
 /// Takes the key turns, then runs the one fenced statement.
@@ -235,5 +246,27 @@ impl<'a> Columns<'a> {
         self.primary.push(&path.primary_namespace);
         self.secondary.push(&path.secondary_namespace);
         self.key.push(&path.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ops(keys: &[&str]) -> BTreeMap<(String, String, String), Mutation> {
+        keys.iter()
+            .map(|key| ((String::new(), String::new(), (*key).to_owned()), Mutation::Remove))
+            .collect()
+    }
+
+    /// Tiny operations count what goes with them on the wire too: 16 bytes each. Counting only
+    /// their names let a batch of some 30 million one-byte keys past `MAX_BATCH_BYTES` and on
+    /// to PostgreSQL's 1 GiB message limit, which closes the connection.
+    #[test]
+    fn each_operation_counts_its_lengths_on_the_wire() {
+        let three = ops(&["a", "b", "c"]);
+        assert!(too_large_for(&three, 3 * 17).is_none());
+        let e = too_large_for(&three, 3 * 17 - 1).expect("over the limit");
+        assert!(matches!(e, Error::BatchTooLarge { len: 51, max: 50 }), "{e}");
     }
 }

@@ -84,7 +84,8 @@ pub enum Error {
     /// written.
     #[error("batch of {len} bytes (keys and values) exceeds the maximum of {max} bytes")]
     BatchTooLarge {
-        /// The batch's size: the bytes of its keys, namespaces and values.
+        /// The batch's size: the bytes of its keys, namespaces and values, and 16 for each
+        /// operation.
         len: usize,
         /// [`crate::MAX_BATCH_BYTES`].
         max: usize,

@@ -120,7 +120,7 @@ async fn invalid_operation_writes_nothing() {
 }
 
 /// Every value within `max_value_size`, but together more than one statement may carry
-/// (`MAX_BATCH_BYTES`, counting keys and namespaces too): a typed error before any SQL, nothing
+/// (`MAX_BATCH_BYTES`, counting keys and namespaces too, and 16 bytes per operation): a typed error before any SQL, nothing
 /// written, and the store goes on. (Zeroed allocations: their pages are never touched.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_larger_than_one_statement_may_carry_writes_nothing() {
@@ -134,7 +134,7 @@ async fn batch_larger_than_one_statement_may_carry_writes_nothing() {
     }
     let e = batch.commit().await.unwrap_err();
     let names = NS.len() + SUB.len();
-    let expected = 16 * (names + 3 + value_len) + names + "keep".len();
+    let expected = 16 * (names + 3 + value_len) + names + "keep".len() + 17 * 16;
     match e {
         Error::BatchTooLarge { len, max } => {
             assert_eq!((len, max), (expected, pgfence::MAX_BATCH_BYTES));
