@@ -540,12 +540,7 @@ impl Inner {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
-        let rows = self.run(operation, sql, params, true).await?;
-        let lease_held: bool = rows.first().is_some_and(|row| row.get(0));
-        if !lease_held {
-            return Err(self.lease.fail(LossReason::Fenced));
-        }
-        Ok(())
+        self.run(operation, sql, params, true).await.map(drop)
     }
 
     /// Runs a read-only statement and returns its rows.
@@ -586,7 +581,9 @@ impl Inner {
     /// same key could run and overwrite the committed value; so the store fails closed
     /// (`WriteOutcomeUnknown`) instead of returning that error. So it does if the mutation's
     /// task is dropped (its runtime shut down) after such an attempt and before a retry was
-    /// answered, between attempts included.
+    /// answered, between attempts included. If the store was closed meanwhile (`close()` gave
+    /// up waiting and released the lease), the caller gets `LeaseLost` (`WriteOutcomeUnknown`)
+    /// too, not `Closed`, which would read as "not written".
     async fn run(
         &self,
         operation: &'static str,
@@ -599,9 +596,23 @@ impl Inner {
         // committed already. Every return settles it: `Ok` is a committed retry, and every
         // error after such an attempt has failed the store closed already.
         let mut unresolved = None;
-        let result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
+        let mut result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
+        if mutation {
+            // A fenced statement answers whether the lease was held; if not, it wrote nothing.
+            result = result.and_then(|rows| match rows.first().is_some_and(|row| row.get(0)) {
+                true => Ok(rows),
+                false => Err(self.lease.fail(LossReason::Fenced)),
+            });
+        }
         if let Some(unresolved) = unresolved {
             unresolved.settled();
+            if matches!(result, Err(Error::Closed)) {
+                // Closed (the lease released) after an attempt that may have committed: the
+                // caller must not take `Closed` for "not written". (Order is safe: after the
+                // release no statement of this store can commit.)
+                let reason = LossReason::WriteOutcomeUnknown;
+                result = Err(Error::LeaseLost { epoch: self.lease.epoch, reason });
+            }
         }
         result
     }

@@ -368,6 +368,53 @@ async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_
     store.close().await.unwrap();
 }
 
+/// A store closed while a write's retry is still held up, after an attempt that may have
+/// committed (and did): `close()` gives up waiting for it (`drop_timeout`) and releases the
+/// lease, so the retry finds the lease gone. The caller must learn that its outcome is unknown
+/// (`LeaseLost`, `WriteOutcomeUnknown`), not `Closed`, which reads as "not written".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_retried_across_close_after_an_attempt_that_may_have_committed_is_unknown() {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("closeretry");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .drop_timeout(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+    let write = tokio::spawn(store.write("r", "s", "k", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    let at_gate = "SELECT client_port FROM pg_stat_activity \
+                   WHERE wait_event = 'advisory' AND query LIKE $1";
+    let pattern = format!("%INSERT INTO \"{t}\"%");
+    let port: i32 = admin().await.query_one(at_gate, &[&pattern]).await.unwrap().get(0);
+    proxy.stall(u16::try_from(port).unwrap()); // Its answer will never arrive.
+
+    // Granted once the write has committed; then it holds up the retry's prepare.
+    let mut lock = TableLock::queue(&t).await;
+    gates.open('1').await;
+    assert_eq!(lock.granted().await, b"gate1", "the write committed");
+    proxy.cut_all(); // The write learns nothing of its outcome; its session is then ended.
+    lock.wait_for_a_waiter().await; // The retry, held up.
+
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "the write still ran: {closed:?}");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Released { .. }));
+    lock.release().await;
+    let outcome = within("the write", write).await.unwrap();
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "the caller learns the outcome is unknown: {outcome:?}"
+    );
+    assert_eq!(value_of(&t, "k").await, b"gate1");
+}
+
 /// A server that stops answering with the connections still up (here a proxy that holds back
 /// everything from the moment a write is running on the server: its answer, a read, renewal).
 /// The operations waiting for an answer return `LeaseLost` (`DeadlinePassed`) at the local
