@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::batch;
-use crate::error::{KeyPath, LossReason, Result};
+use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::lease::Lease;
 use crate::store::{Inner, Mutation};
 
@@ -157,7 +157,7 @@ impl Inner {
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
             // server, so the key's order cannot be vouched for: fail closed.
-            Err(_) => Err(self.lease.fail(LossReason::WriteOutcomeUnknown)),
+            Err(_) => Err(self.lease.fail_outcome_unknown()),
         }
     }
 
@@ -179,9 +179,16 @@ impl Inner {
             tracing::warn!(error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
         }
+        // A statement that may have committed is not run again: each caller is told that its
+        // outcome is unknown (run alone after a close, it would get `Closed`, "not written").
+        let unknown = matches!(
+            &result,
+            Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })
+        );
         for Queued { mutation, done, .. } in group.drain(..) {
             let outcome = match result {
                 Ok(()) => Outcome::Done(Ok(())),
+                Err(_) if unknown => Outcome::Done(Err(self.lease.fail_outcome_unknown())),
                 Err(_) => Outcome::Alone(mutation),
             };
             let _ = done.send(outcome);

@@ -204,6 +204,16 @@ impl Lease {
         self.enforce_policy()
     }
 
+    /// The error of a mutation that may have committed: [`Lease::fail`] with
+    /// `WriteOutcomeUnknown`, except that after a release it is `LeaseLost` all the same, not
+    /// `Closed`, which would read as "not written".
+    pub(crate) fn fail_outcome_unknown(&self) -> Error {
+        if self.given_up.load(Ordering::SeqCst) {
+            return Error::LeaseLost { epoch: self.epoch, reason: LossReason::WriteOutcomeUnknown };
+        }
+        self.fail(LossReason::WriteOutcomeUnknown)
+    }
+
     /// The `LeaseLost` error, after the policy's panic or abort if it has one.
     fn enforce_policy(&self) -> Error {
         let error = Error::LeaseLost { epoch: self.epoch, reason: self.reason() };

@@ -610,8 +610,7 @@ impl Inner {
                 // Closed (the lease released) after an attempt that may have committed: the
                 // caller must not take `Closed` for "not written". (Order is safe: after the
                 // release no statement of this store can commit.)
-                let reason = LossReason::WriteOutcomeUnknown;
-                result = Err(Error::LeaseLost { epoch: self.lease.epoch, reason });
+                result = Err(self.lease.fail_outcome_unknown());
             }
         }
         result
@@ -691,7 +690,7 @@ impl Inner {
                 Err(e) if maybe_committed => {
                     tracing::error!(operation, error = %e,
                         "pgfence mutation failed after an attempt that may have committed");
-                    return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
+                    return Err(self.lease.fail_outcome_unknown());
                 }
                 result => return result,
             }

@@ -415,6 +415,69 @@ async fn write_retried_across_close_after_an_attempt_that_may_have_committed_is_
     assert_eq!(value_of(&t, "k").await, b"gate1");
 }
 
+/// The same for a shared statement (write coalescing): every caller in it is told that its
+/// outcome is unknown. Run again alone after the close, each would have got `Closed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_writes_retried_across_close_after_an_attempt_that_may_have_committed_are_unknown()
+ {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("closeretryco");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(1)
+        .write_concurrency(1)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .drop_timeout(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+    // `w` holds the one statement (at gate 2) while `k` and `x` queue behind it; then the two
+    // share the next statement, which waits at gate 1 (for `k`'s value).
+    let first = tokio::spawn(store.write("r", "s", "w", b"gate2".to_vec()));
+    gates.wait_for(1, "").await;
+    let shared = [("k", b"gate1"), ("x", b"xxxx1")]
+        .map(|(key, value)| tokio::spawn(store.write("r", "s", key, value.to_vec())));
+    // The store's queue is not visible on the server: a settle time lets the two spawned
+    // writes reach it (the coalescing tests do the same). Should they not have, the statement
+    // at gate 1 is `k`'s alone, and the test says so instead of checking the wrong thing.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    gates.open('2').await;
+    within("the first write", first).await.unwrap().unwrap();
+    gates.wait_for(1, "").await;
+    let at_gate = "SELECT client_port, query LIKE '%unnest%' FROM pg_stat_activity \
+                   WHERE wait_event = 'advisory' AND query LIKE $1";
+    let pattern = format!("%INSERT INTO \"{t}\"%");
+    let row = admin().await.query_one(at_gate, &[&pattern]).await.unwrap();
+    let (port, shared_statement): (i32, bool) = (row.get(0), row.get(1));
+    assert!(shared_statement, "`x` did not reach the queue within the settle time");
+    proxy.stall(u16::try_from(port).unwrap());
+
+    let mut lock = TableLock::queue(&t).await;
+    gates.open('1').await;
+    assert_eq!(lock.granted().await, b"gate1", "the shared statement committed");
+    proxy.cut_all();
+    lock.wait_for_a_waiter().await; // Its retry, held up.
+
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "the writes still ran: {closed:?}");
+    lock.release().await;
+    for write in shared {
+        let outcome = within("a shared write", write).await.unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })
+            ),
+            "each caller learns its outcome is unknown: {outcome:?}"
+        );
+    }
+    assert_eq!(value_of(&t, "x").await, b"xxxx1");
+}
+
 /// A server that stops answering with the connections still up (here a proxy that holds back
 /// everything from the moment a write is running on the server: its answer, a read, renewal).
 /// The operations waiting for an answer return `LeaseLost` (`DeadlinePassed`) at the local
