@@ -185,6 +185,56 @@ impl Gates {
     }
 }
 
+/// A store on a fresh table through a fault-injecting proxy, with one connection (as
+/// `configure` leaves it), `k` = `first`, and closed [`Gates`].
+async fn proxied_gated_store(
+    prefix: &str,
+    configure: impl FnOnce(pgfence::Builder) -> pgfence::Builder,
+) -> (String, Proxy, PgKvStore, Gates) {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table(prefix);
+    let builder = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5));
+    let store = configure(builder).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+    (t, proxy, store, gates)
+}
+
+/// Holds back, for good, the answer of the one write statement waiting at a gate on `table`;
+/// whether it is a shared statement (the batch statement, which reads `unnest`).
+async fn stall_statement_at_gate(proxy: &Proxy, table: &str) -> bool {
+    let at_gate = "SELECT client_port, query LIKE '%unnest%' FROM pg_stat_activity \
+                   WHERE wait_event = 'advisory' AND query LIKE $1";
+    let pattern = format!("%INSERT INTO \"{table}\"%");
+    let row = admin().await.query_one(at_gate, &[&pattern]).await.unwrap();
+    let (port, shared): (i32, bool) = (row.get(0), row.get(1));
+    proxy.stall(u16::try_from(port).unwrap());
+    shared
+}
+
+/// Lets the statement stalled at gate 1 ([`stall_statement_at_gate`]) commit, then cuts every
+/// connection: its caller learns nothing of the outcome, and the store ends that session and
+/// retries. Returns once the retry is held up (preparing it on a new connection needs the
+/// table) by an administrator's lock on the table, queued behind the statement and so granted
+/// only once it has committed (checked: `k` is `gate1` then).
+async fn commit_unanswered_and_hold_the_retry(
+    proxy: &Proxy,
+    gates: &Gates,
+    table: &str,
+) -> TableLock {
+    let mut lock = TableLock::queue(table).await;
+    gates.open('1').await;
+    assert_eq!(lock.granted().await, b"gate1", "the statement committed");
+    proxy.cut_all();
+    lock.wait_for_a_waiter().await;
+    lock
+}
+
 /// A store on a fresh table (`write_concurrency` statements at once) with `k` = `first`, and
 /// closed [`Gates`] on the table.
 async fn gated_store(prefix: &str, write_concurrency: usize) -> (String, PgKvStore, Gates) {
@@ -320,19 +370,7 @@ async fn write_whose_runtime_shuts_down_mid_statement_fails_the_store_closed() {
 /// retries end in an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_closed() {
-    let server = TestServer::shared().unwrap();
-    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
-    let t = table("dropretry");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
-        .table(&t)
-        .pool_size(1)
-        .lease_ttl(Duration::from_secs(30))
-        .renew_interval(Duration::from_secs(5))
-        .open()
-        .await
-        .unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, proxy, store, gates) = proxied_gated_store("dropretry", |b| b).await;
 
     // Calls, in this order: `earlier`, then the write of `gate1`, whose task runs on a runtime
     // of its own and takes the key's turn first (it waits at gate 1, inside its statement).
@@ -340,20 +378,9 @@ async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_
     let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate1");
     gates.wait_for(1, "").await;
     let earlier = tokio::spawn(earlier); // Waits for the key's turn.
-    let at_gate = "SELECT client_port FROM pg_stat_activity \
-                   WHERE wait_event = 'advisory' AND query LIKE $1";
-    let pattern = format!("%INSERT INTO \"{t}\"%");
-    let port: i32 = admin().await.query_one(at_gate, &[&pattern]).await.unwrap().get(0);
-    proxy.stall(u16::try_from(port).unwrap()); // Its answer will never arrive.
+    stall_statement_at_gate(&proxy, &t).await; // Its answer will never arrive.
 
-    // An administrator's lock on the table, queued behind the write: granted once the write
-    // has committed, it then holds up the retry (preparing it on a new connection needs it).
-    let mut lock = TableLock::queue(&t).await;
-    gates.open('1').await;
-    assert_eq!(lock.granted().await, b"gate1", "the later call committed");
-
-    proxy.cut_all(); // The write learns nothing of its outcome; its session is then ended.
-    lock.wait_for_a_waiter().await; // The retry, held up.
+    let lock = commit_unanswered_and_hold_the_retry(&proxy, &gates, &t).await;
     doomed.shutdown_background();
     let outcome = outcome_of(caller).await;
 
@@ -374,34 +401,13 @@ async fn write_dropped_after_an_attempt_that_may_have_committed_fails_the_store_
 /// (`LeaseLost`, `WriteOutcomeUnknown`), not `Closed`, which reads as "not written".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_retried_across_close_after_an_attempt_that_may_have_committed_is_unknown() {
-    let server = TestServer::shared().unwrap();
-    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
-    let t = table("closeretry");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
-        .table(&t)
-        .pool_size(1)
-        .lease_ttl(Duration::from_secs(30))
-        .renew_interval(Duration::from_secs(5))
-        .drop_timeout(Duration::from_millis(500))
-        .open()
-        .await
-        .unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, proxy, store, gates) =
+        proxied_gated_store("closeretry", |b| b.drop_timeout(Duration::from_millis(500))).await;
     let write = tokio::spawn(store.write("r", "s", "k", b"gate1".to_vec()));
     gates.wait_for(1, "").await;
-    let at_gate = "SELECT client_port FROM pg_stat_activity \
-                   WHERE wait_event = 'advisory' AND query LIKE $1";
-    let pattern = format!("%INSERT INTO \"{t}\"%");
-    let port: i32 = admin().await.query_one(at_gate, &[&pattern]).await.unwrap().get(0);
-    proxy.stall(u16::try_from(port).unwrap()); // Its answer will never arrive.
+    stall_statement_at_gate(&proxy, &t).await; // Its answer will never arrive.
 
-    // Granted once the write has committed; then it holds up the retry's prepare.
-    let mut lock = TableLock::queue(&t).await;
-    gates.open('1').await;
-    assert_eq!(lock.granted().await, b"gate1", "the write committed");
-    proxy.cut_all(); // The write learns nothing of its outcome; its session is then ended.
-    lock.wait_for_a_waiter().await; // The retry, held up.
+    let lock = commit_unanswered_and_hold_the_retry(&proxy, &gates, &t).await;
 
     let closed = within("close", store.close()).await;
     assert!(matches!(closed, Err(Error::Timeout { .. })), "the write still ran: {closed:?}");
@@ -420,21 +426,10 @@ async fn write_retried_across_close_after_an_attempt_that_may_have_committed_is_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_writes_retried_across_close_after_an_attempt_that_may_have_committed_are_unknown()
  {
-    let server = TestServer::shared().unwrap();
-    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
-    let t = table("closeretryco");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
-        .table(&t)
-        .pool_size(1)
-        .write_concurrency(1)
-        .lease_ttl(Duration::from_secs(30))
-        .renew_interval(Duration::from_secs(5))
-        .drop_timeout(Duration::from_millis(500))
-        .open()
-        .await
-        .unwrap();
-    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
-    let gates = Gates::closed(&t).await;
+    let (t, proxy, store, gates) = proxied_gated_store("closeretryco", |b| {
+        b.write_concurrency(1).drop_timeout(Duration::from_millis(500))
+    })
+    .await;
     // `w` holds the one statement (at gate 2) while `k` and `x` queue behind it; then the two
     // share the next statement, which waits at gate 1 (for `k`'s value).
     let first = tokio::spawn(store.write("r", "s", "w", b"gate2".to_vec()));
@@ -448,19 +443,10 @@ async fn coalesced_writes_retried_across_close_after_an_attempt_that_may_have_co
     gates.open('2').await;
     within("the first write", first).await.unwrap().unwrap();
     gates.wait_for(1, "").await;
-    let at_gate = "SELECT client_port, query LIKE '%unnest%' FROM pg_stat_activity \
-                   WHERE wait_event = 'advisory' AND query LIKE $1";
-    let pattern = format!("%INSERT INTO \"{t}\"%");
-    let row = admin().await.query_one(at_gate, &[&pattern]).await.unwrap();
-    let (port, shared_statement): (i32, bool) = (row.get(0), row.get(1));
+    let shared_statement = stall_statement_at_gate(&proxy, &t).await;
     assert!(shared_statement, "`x` did not reach the queue within the settle time");
-    proxy.stall(u16::try_from(port).unwrap());
 
-    let mut lock = TableLock::queue(&t).await;
-    gates.open('1').await;
-    assert_eq!(lock.granted().await, b"gate1", "the shared statement committed");
-    proxy.cut_all();
-    lock.wait_for_a_waiter().await; // Its retry, held up.
+    let lock = commit_unanswered_and_hold_the_retry(&proxy, &gates, &t).await;
 
     let closed = within("close", store.close()).await;
     assert!(matches!(closed, Err(Error::Timeout { .. })), "the writes still ran: {closed:?}");

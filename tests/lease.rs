@@ -546,22 +546,22 @@ async fn blocked_renewal_fails_closed_before_database_expiry() {
     assert!(store.read("d", "s", "k").await.unwrap_err().is_lease_lost());
 }
 
-/// A holder cut off from the database loses its lease at the local deadline, and keeps
-/// trying to release it (by owner id, about every second) while the network is down: once it
-/// is back, a standby takes over within about a second, long before the lost lease's expiry in
-/// the database (read from the lease row), instead of waiting for it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lost_lease_is_released_once_the_network_returns() {
-    let t = table("lostrelease");
+/// A holder of `t` that connects through a proxy (TTL and local deadline in seconds), then
+/// is cut off from the database (every connection cut, new ones refused) until it has lost its
+/// lease at the local deadline. The proxy, the holder and its state then.
+async fn cut_off_until_lost(
+    t: &str,
+    ttl: u64,
+    local_deadline: u64,
+    renew_interval: Duration,
+) -> (pgfence::testing::Proxy, PgKvStore, LeaseState) {
     let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
-    // A local deadline far ahead of the database expiry (5 s of 30 s), so that a takeover at
-    // the expiry and one right after the network returns are far apart.
     let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-        .table(&t)
+        .table(t)
         .pool_size(2)
-        .lease_ttl(Duration::from_secs(30))
-        .local_deadline(Duration::from_secs(5))
-        .renew_interval(Duration::from_secs(2))
+        .lease_ttl(Duration::from_secs(ttl))
+        .local_deadline(Duration::from_secs(local_deadline))
+        .renew_interval(renew_interval)
         .open()
         .await
         .unwrap();
@@ -570,6 +570,19 @@ async fn lost_lease_is_released_once_the_network_returns() {
     common::wait_until_lost(&holder).await;
     let lost = LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed };
     assert_eq!(*holder.lease_state().borrow(), lost);
+    (proxy, holder, lost)
+}
+
+/// A holder cut off from the database loses its lease at the local deadline, and keeps
+/// trying to release it (by owner id, about every second) while the network is down: once it
+/// is back, a standby takes over within about a second, long before the lost lease's expiry in
+/// the database (read from the lease row), instead of waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_is_released_once_the_network_returns() {
+    let t = table("lostrelease");
+    // A local deadline far ahead of the database expiry (5 s of 30 s), so that a takeover at
+    // the expiry and one right after the network returns are far apart.
+    let (proxy, holder, lost) = cut_off_until_lost(&t, 30, 5, Duration::from_secs(2)).await;
     tokio::time::sleep(Duration::from_secs(3)).await; // Several release attempts, all refused.
 
     let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;
@@ -605,24 +618,10 @@ async fn lost_lease_is_released_once_the_network_returns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_lease_is_only_released_never_renewed() {
     let t = table("neverrenew");
-    let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
     // A TTL far beyond the test, so that the thread's release attempts (which go on until the
     // database expiry of the lease, one TTL after the last renewal attempt) cannot stop on
     // their own while the test looks.
-    let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-        .table(&t)
-        .pool_size(2)
-        .lease_ttl(Duration::from_secs(120))
-        .local_deadline(Duration::from_secs(3))
-        .renew_interval(Duration::from_secs(1))
-        .open()
-        .await
-        .unwrap();
-    proxy.set_refuse(true);
-    proxy.cut_all();
-    common::wait_until_lost(&holder).await;
-    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::DeadlinePassed };
-    assert_eq!(*holder.lease_state().borrow(), lost);
+    let (proxy, holder, lost) = cut_off_until_lost(&t, 120, 3, Duration::from_secs(1)).await;
     // Nothing of the holder is on the server now (its connections were cut, and no statement
     // of it waited for anything): from here on, all it sends waits for this lock.
     let mut blocker = admin().await;
