@@ -361,7 +361,8 @@ impl PgKvStore {
     /// (including mutations still waiting for their key's turn or for a shared statement),
     /// waiting at most `drop_timeout` for them; renewal stops and the lease is released by
     /// owner id (expired now; the epoch counter is kept), so another store can open at once.
-    /// Returns the release's result, or [`Error::Timeout`] if operations were still running.
+    /// Returns the release's result, or [`Error::Timeout`] if operations were still running
+    /// (those that need a connection after that get [`Error::Closed`]).
     /// Closing again returns `Ok` once nothing runs any more (while operations still hang, it
     /// waits `drop_timeout` for them too and returns `Timeout`).
     ///
@@ -634,7 +635,8 @@ impl Inner {
             let mut sent_to: Option<Backend> = None;
             let mut pending: Option<OutcomePending> = None;
             let attempt = async {
-                let client = Checkout(Some(self.pool.get().await.map_err(Error::pool(operation))?));
+                let client = self.pool.get().await.map_err(|e| self.pool_error(operation, e))?;
+                let client = Checkout(Some(client));
                 let statements = async {
                     let backend = if mutation { Some(self.backend(&client).await?) } else { None };
                     let statement =
@@ -694,6 +696,19 @@ impl Inner {
                 }
                 result => return result,
             }
+        }
+    }
+
+    /// A pool's error, but `Closed` when the pool is closed because the store is: `close()`
+    /// closes the store's own pool once it stops waiting for running operations, and one that
+    /// needs a connection after that (a write still queued for a statement, say) was closed
+    /// over, as the caller should read it, not failed by the pool.
+    fn pool_error(&self, operation: &'static str, e: deadpool_postgres::PoolError) -> Error {
+        match e {
+            deadpool_postgres::PoolError::Closed if self.closed.load(Ordering::SeqCst) => {
+                Error::Closed
+            }
+            e => Error::pool(operation)(e),
         }
     }
 

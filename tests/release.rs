@@ -96,6 +96,36 @@ async fn close_waits_for_started_operations_then_releases() {
     assert_eq!(rows, expected);
 }
 
+/// When `close()` stops waiting (`drop_timeout`) with a write still queued for a statement,
+/// that write gets `Closed` once it runs (nothing of it is written: the lease is released),
+/// not an error of the connection pool that `close()` closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_still_queued_when_close_gives_up_gets_closed() {
+    let t = table("closequeued");
+    let store = long_lease(&t)
+        .write_concurrency(1)
+        .drop_timeout(Duration::from_millis(300))
+        .open()
+        .await
+        .unwrap();
+    let mut blocker = admin().await;
+    let (tx, running) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
+    let mut queued = Box::pin(store.write("f", "s", "k2", b"queued".to_vec()));
+    assert!(poll_once(&mut queued).await.is_pending(), "admitted, and waiting for a statement");
+    let queued = tokio::spawn(queued);
+
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "{closed:?}");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Released { epoch: 1 });
+    tx.rollback().await.unwrap();
+    // The running write had locked the lease row before the release: it may commit, and does.
+    within("running write", running).await.unwrap().expect("the running write commits");
+    let queued = within("queued write", queued).await.unwrap();
+    assert!(matches!(queued, Err(Error::Closed)), "{queued:?}");
+    let rows = common::all_rows(&t).await;
+    assert_eq!(rows, [("k".to_owned(), b"in-flight".to_vec())]);
+}
+
 /// Polls `fut` once.
 async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *fut).poll(cx))).await
