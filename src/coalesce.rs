@@ -199,7 +199,8 @@ impl Inner {
 /// The queued mutations a statement carries, until their callers are told its outcome.
 /// Dropped before that (the task running the statement was dropped: its runtime shut down), it
 /// tells them what can be known. If the statement may have been sent, the task's own guard in
-/// `Inner::run` (`store::OutcomePending`, dropped first) has marked the lease lost, and the
+/// `Inner::run` (`store::OutcomePending`, dropped first) has marked the lease lost (or, after a
+/// release, recorded the unknown outcome: run alone then, each would get `Closed`), and the
 /// callers learn that their outcome is unknown (their channel closes). Otherwise nothing of the
 /// statement can ever land, and each caller gets its mutation back to run on its own, as after
 /// a failed shared statement: the store need not fail closed for a statement that never ran.
@@ -210,7 +211,7 @@ struct Carried<'a> {
 
 impl Drop for Carried<'_> {
     fn drop(&mut self) {
-        if self.lease.is_lost() {
+        if self.lease.dropped_unknown() {
             return;
         }
         for Queued { mutation, done, .. } in self.group.drain(..) {

@@ -61,6 +61,10 @@ pub(crate) struct Lease {
     lost: OnceLock<LossReason>,
     /// Set once the lease was given up: nothing is lost any more, later failures are `Closed`.
     given_up: AtomicBool,
+    /// Set when [`Lease::lose_unreported`] found a mutation that may still commit after the
+    /// lease was given up: nothing is lost then, but whoever waited for that mutation must not
+    /// be told `Closed`, which reads as "not written".
+    dropped_unknown: AtomicBool,
     state: watch::Sender<LeaseState>,
     policy: LeaseLossPolicy,
 }
@@ -82,6 +86,7 @@ impl Lease {
             deadline: Mutex::new(acquire_started + deadline_after),
             lost: OnceLock::new(),
             given_up: AtomicBool::new(false),
+            dropped_unknown: AtomicBool::new(false),
             state: watch::Sender::new(LeaseState::Held { epoch }),
             policy,
         }
@@ -154,6 +159,12 @@ impl Lease {
         self.lost.get().is_some()
     }
 
+    /// Whether a mutation was dropped while it may still commit: the lease is lost, or it was
+    /// already given up then (see [`Lease::lose_unreported`]).
+    pub(crate) fn dropped_unknown(&self) -> bool {
+        self.is_lost() || self.dropped_unknown.load(Ordering::SeqCst)
+    }
+
     /// Marks the lease lost: the first reason wins, and is logged and published once. Only a
     /// held lease is published as lost: a release that got in first (callers check `given_up`
     /// before calling this, but a release can land in between) keeps `Released`.
@@ -182,9 +193,10 @@ impl Lease {
     /// Marks the lease lost where there is no caller to tell (a destructor). `Abort` aborts
     /// here (safe in a destructor, even while unwinding); a panic is not, so under `Panic` the
     /// next operation's [`Lease::check`] raises it. Nothing to lose after the lease was given
-    /// up.
+    /// up; that a mutation's outcome is unknown is still recorded ([`Lease::dropped_unknown`]).
     pub(crate) fn lose_unreported(&self, reason: LossReason) {
         if self.given_up.load(Ordering::SeqCst) {
+            self.dropped_unknown.store(true, Ordering::SeqCst);
             return;
         }
         self.lose(reason);

@@ -612,6 +612,55 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
     store.close().await.unwrap();
 }
 
+/// The same after `close()` released the lease: a shared statement was sent and still runs
+/// on the server when the runtime of the caller running it shuts down. After the release that
+/// drop marks nothing lost, but the statement may commit all the same (it locked the lease
+/// row before the release), so the other caller in it must not have its mutation handed back
+/// to run alone, which after the close returns `Closed` ("not written"): it must learn that
+/// its outcome is unknown. (Here the statement commits it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_statement_sent_before_a_close_is_unknown_to_its_callers_when_its_runner_is_dropped()
+{
+    let t = table("rtdownclose");
+    let store = builder(&t)
+        .pool_size(4)
+        .write_concurrency(1)
+        .drop_timeout(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+
+    // The only statement allowed is busy (behind gate 1); `k` queues, then `x` behind it.
+    let hold = tokio::spawn(store.write("r", "s", "hold", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    let (doomed, caller) = write_on_doomed_runtime(&store, "k", b"gate2");
+    settle().await;
+    let x = tokio::spawn(store.write("r", "s", "x", b"x".to_vec()));
+    settle().await;
+    // The statement frees up: `k`'s caller, first in line for it, takes the group (k, x) and
+    // sends its statement, which waits at gate 2 (for `k`'s row).
+    gates.open('1').await;
+    within("hold", hold).await.unwrap().unwrap();
+    gates.wait_for(1, "unnest").await;
+
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "the writes still ran: {closed:?}");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Released { .. }));
+    doomed.shutdown_background();
+    let k = outcome_of(caller).await;
+    let x = within("x", x).await.unwrap();
+
+    gates.open('2').await;
+    wait_for_value(&t, "x", b"x").await; // The shared statement commits x (and k).
+    println!("k's caller: {k:?}");
+    assert!(
+        matches!(x, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "x was committed: its caller must not read `not written`: {x:?}"
+    );
+}
+
 /// A queued write whose runtime shuts down before any statement took it is withdrawn: it never
 /// runs (its key's turn is gone, so it could land after a later call), and the store goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
