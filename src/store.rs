@@ -462,10 +462,15 @@ impl Inner {
 
     /// What the caller of a mutation gets if the task running it is dropped unfinished (its
     /// runtime shut down): the lease's loss if a statement was left with an unknown outcome
-    /// (see [`OutcomePending`]), `Closed` otherwise.
+    /// (see [`OutcomePending`]; after a release, `LeaseLost` with `WriteOutcomeUnknown` all the
+    /// same), `Closed` otherwise.
     pub(crate) fn abandoned(&self) -> impl FnOnce() -> Error + Send + 'static + use<> {
         let lease = Arc::clone(&self.lease);
-        move || lease.check().err().unwrap_or(Error::Closed)
+        move || match lease.check() {
+            Err(Error::Closed) | Ok(()) if lease.dropped_unknown() => lease.fail_outcome_unknown(),
+            Err(e) => e,
+            Ok(()) => Error::Closed,
+        }
     }
 
     pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {

@@ -617,7 +617,8 @@ async fn queued_write_whose_runtime_shuts_down_in_a_shared_statement_fails_the_s
 /// drop marks nothing lost, but the statement may commit all the same (it locked the lease
 /// row before the release), so the other caller in it must not have its mutation handed back
 /// to run alone, which after the close returns `Closed` ("not written"): it must learn that
-/// its outcome is unknown. (Here the statement commits it.)
+/// its outcome is unknown; and so must the caller whose task was dropped. (Here the statement
+/// commits both.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_statement_sent_before_a_close_is_unknown_to_its_callers_when_its_runner_is_dropped()
 {
@@ -654,7 +655,10 @@ async fn shared_statement_sent_before_a_close_is_unknown_to_its_callers_when_its
 
     gates.open('2').await;
     wait_for_value(&t, "x", b"x").await; // The shared statement commits x (and k).
-    println!("k's caller: {k:?}");
+    assert!(
+        matches!(k, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
+        "k was committed: its caller must not read `not written`: {k:?}"
+    );
     assert!(
         matches!(x, Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })),
         "x was committed: its caller must not read `not written`: {x:?}"
