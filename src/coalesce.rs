@@ -18,7 +18,9 @@
 //! Errors: a group's statement that fails leaves every mutation of the group to run again on
 //! its own (writes are idempotent under a held turn), so each caller gets the error of its own
 //! mutation, and one failing mutation cannot fail the others. A lost lease or a closed store
-//! fails each of them at once, before any SQL.
+//! fails each of them at once, before any SQL. A statement that may have committed (its
+//! connection broke after it was sent, and its retries did not settle it) is not run again:
+//! each caller gets `LeaseLost` with `WriteOutcomeUnknown`.
 
 use std::sync::Mutex;
 
