@@ -15,6 +15,11 @@ use crate::keys::TableName;
 /// Whatever the policy, the store fails closed: every later operation returns
 /// [`Error::LeaseLost`] and [`crate::PgKvStore::lease_state`] reports
 /// [`crate::LeaseState::Lost`]. The policy only decides how loudly.
+///
+/// A store that released its lease with `close()` has lost nothing, and no policy applies. A
+/// write still running then may yet get [`Error::LeaseLost`] with
+/// [`crate::LossReason::WriteOutcomeUnknown`] (its statement may have committed: read the key
+/// back), without a panic or an abort.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum LeaseLossPolicy {
