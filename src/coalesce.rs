@@ -246,9 +246,9 @@ impl Drop for Waiting<'_> {
         if self.inner.coalescer.withdraw(self.path) {
             return; // Still queued: it never runs.
         }
-        // In this caller's own statement, which (dropped before this) marked the lease lost
-        // if it may have been sent: not lost, it never ran.
-        if self.carrying_own && !self.inner.lease.is_lost() {
+        // In this caller's own statement, whose guard (dropped before this) recorded it if it
+        // may have been sent (see [`Carried`]): nothing recorded, it never ran.
+        if self.carrying_own && !self.inner.lease.dropped_unknown() {
             return;
         }
         tracing::error!("pgfence mutation dropped while a shared statement may still run it");

@@ -633,8 +633,6 @@ impl Inner {
     ) -> Result<Vec<Row>> {
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
-        // Whether an attempt of this mutation broke after it was sent: it may have committed.
-        let mut maybe_committed = false;
         loop {
             self.lease.check()?;
             let mut sent_to: Option<Backend> = None;
@@ -676,7 +674,6 @@ impl Inner {
             };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
-                    maybe_committed = true;
                     unresolved.get_or_insert(OutcomePending { lease: &self.lease });
                     self.await_backend_gone(backend).await
                 }
@@ -694,7 +691,7 @@ impl Inner {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
-                Err(e) if maybe_committed => {
+                Err(e) if unresolved.is_some() => {
                     tracing::error!(operation, error = %e,
                         "pgfence mutation failed after an attempt that may have committed");
                     return Err(self.lease.fail_outcome_unknown());
