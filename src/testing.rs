@@ -1179,7 +1179,8 @@ pub fn unique_name(prefix: &str) -> String {
 // Proxy
 // ---------------------------------------------------------------------------------------------
 
-/// A fault-injecting TCP proxy on loopback, between clients and a server.
+/// A fault-injecting TCP proxy between clients and a server, on loopback (or on the address
+/// given to [`Proxy::start_on`]).
 ///
 /// Each accepted connection is forwarded to the upstream address. While it runs, a test can
 /// delay every chunk of data ([`Proxy::set_delay`]), refuse new connections
@@ -1239,7 +1240,13 @@ impl Proxy {
     ///
     /// Must be called within a tokio runtime.
     pub async fn start(upstream: SocketAddr) -> io::Result<Proxy> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        Proxy::start_on(Ipv4Addr::LOCALHOST.into(), upstream).await
+    }
+
+    /// [`Proxy::start`], listening on `ip` (a free port) instead: an address of another
+    /// interface, for clients on the far side of it.
+    pub async fn start_on(ip: IpAddr, upstream: SocketAddr) -> io::Result<Proxy> {
+        let listener = TcpListener::bind((ip, 0)).await?;
         let addr = listener.local_addr()?;
         let (timer, timer_thread) = DelayTimer::start()?;
         let shared = Arc::new(ProxyShared {
