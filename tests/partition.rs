@@ -1,0 +1,318 @@
+//! A real network partition: the store runs in a network namespace of its own, which reaches
+//! the server's side only through a router (a second namespace), and a cut makes the router
+//! discard every packet both ways without telling anyone. Nothing answers and no reset
+//! arrives; TCP keeps retransmitting, as when a link between two subnets fails or a firewall
+//! drops the traffic. (The proxy of the other tests closes its sockets or holds data back in
+//! user space, where the kernel has already acknowledged it.)
+//!
+//! Needs root (creating a network namespace needs `CAP_NET_ADMIN`; CI runs as root) and
+//! iproute2's `ip`. As another user these tests fail, saying so; to leave them out, run
+//! `cargo test --all-features -- --skip partitioned_`.
+//!
+//! Each test's store runs on a runtime whose threads are in the far namespace (threads they
+//! start, such as the renewal thread, inherit it). It reaches the server through a proxy
+//! listening on this side of the router, so the server itself stays on loopback, as every
+//! other test has it. The namespaces and their links are deleted when the test ends, panics
+//! included.
+
+mod common;
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{HANG_GUARD, admin, server, table, within};
+use pgfence::testing::Proxy;
+use pgfence::{Error, LeaseState, LossReason, PgKvStore};
+use tokio::runtime::Runtime;
+
+const TTL: Duration = Duration::from_secs(2);
+
+/// Every connection gets a TCP user timeout of one TTL unless the caller set one (README,
+/// "Connections"), "so a partition fails a statement instead of hanging it for many minutes".
+/// Behind a real partition the kernel ends a pooled connection with a query in flight no
+/// sooner than one TTL after the query was sent, and the query fails with the connection
+/// closed (without the default it waits for minutes). The same query on a connection whose
+/// configuration sets a user timeout of its own (ten minutes) is still waiting then, and is
+/// answered once the network heals.
+///
+/// An inspector is used because its queries have no deadline of their own: a store holding
+/// the lease gives up on a statement at the local deadline, before any TCP timeout, and then
+/// relies on the same timeout to close the abandoned connection.
+#[test]
+fn partitioned_connection_fails_after_the_tcp_user_timeout_unless_one_is_set() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partuto");
+        common::open(&t).await.close().await.unwrap();
+        let mut patient_config = server().config_via(proxy.addr());
+        patient_config.tcp_user_timeout(Duration::from_secs(600));
+        let inspectors = [server().config_via(proxy.addr()), patient_config].map(|config| {
+            let t = t.clone();
+            far.spawn(async move {
+                let builder = PgKvStore::builder_from_config(config).table(t).lease_ttl(TTL);
+                let inspector = builder.inspect().await.unwrap();
+                // Connected and answered through the far side before the cut.
+                assert!(inspector.lease_info().await.unwrap().is_some());
+                inspector
+            })
+        });
+        let [default, patient] = inspectors;
+        let default = within("inspector", default).await.unwrap();
+        let patient = within("inspector", patient).await.unwrap();
+
+        net.cut();
+        let sent = Instant::now();
+        let default = far.spawn(async move { default.lease_info().await.map(|_| ()) });
+        let patient = far.spawn(async move { patient.lease_info().await.map(|_| ()) });
+        let result = within("query behind the partition", default).await.unwrap();
+        let failed_after = sent.elapsed();
+        println!("the query failed {failed_after:?} after it was sent (TTL {TTL:?})");
+        // The kernel gave up on the connection (nothing else can end it: no reset crosses the
+        // partition), and the client reports the connection closed under the query.
+        let e = result.expect_err("no answer can cross the partition");
+        assert!(matches!(&e, Error::Database { source, .. } if source.is_closed()), "{e:?}");
+        assert!(failed_after >= TTL, "not before the user timeout of one TTL: {failed_after:?}");
+        assert!(!patient.is_finished(), "a user timeout set by the caller is kept");
+
+        net.heal();
+        within("the patient query once the network heals", patient).await.unwrap().unwrap();
+    });
+}
+
+/// A partitioned holder's write that reaches the server only after a successor took over does
+/// not commit (README, first paragraph: "a paused, partitioned or slow former owner can never
+/// commit after a successor took over").
+///
+/// The holder writes once, then the network is cut and it writes again: the statement is in
+/// its socket's send queue, retransmitted by the kernel and dropped. The holder's caller gets
+/// `LeaseLost` (`DeadlinePassed`) at the local deadline; a standby on the server's side of the
+/// network takes the lease once it expires and writes the same key. Then the network heals
+/// and the kernel delivers the old statement, which runs (a statement-level trigger on the KV
+/// table records each statement that reaches the insert, by server process) and writes nothing.
+///
+/// The holder's connections set a user timeout longer than the partition, so the statement is
+/// still alive to be delivered. With the default of one TTL the window is shorter (the socket
+/// gives up one TTL after the write was sent, and the lease expires within one TTL of the last
+/// renewal before it), but a statement can still arrive after a takeover.
+#[test]
+fn partitioned_holder_s_write_delivered_after_a_takeover_does_not_commit() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partlate");
+        let mut config = server().config_via(proxy.addr());
+        config.tcp_user_timeout(Duration::from_secs(600));
+        // One pooled connection: the second write goes out on the connection that has the
+        // statement prepared, so the statement itself (not its preparation) is what waits.
+        let opening = PgKvStore::builder_from_config(config)
+            .table(&t)
+            .lease_ttl(TTL)
+            .pool_size(1)
+            .write_concurrency(1)
+            .application_name(format!("holder-{t}"))
+            .open();
+        let holder = within("holder opens", far.spawn(opening)).await.unwrap().unwrap();
+        let admin = admin().await;
+        let log = format!("\"{t}_statements\"");
+        admin
+            .batch_execute(&format!(
+                "CREATE TABLE {log} (pid INT NOT NULL, at TIMESTAMPTZ NOT NULL);
+                 CREATE FUNCTION {log}() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     INSERT INTO {log} VALUES (pg_backend_pid(), clock_timestamp());
+                     RETURN NULL;
+                 END $$;
+                 CREATE TRIGGER {log} AFTER INSERT ON \"{t}\"
+                     FOR EACH STATEMENT EXECUTE FUNCTION {log}();"
+            ))
+            .await
+            .unwrap();
+        let holder = far
+            .spawn(async move {
+                holder.write("p", "s", "k", b"before the cut".to_vec()).await.unwrap();
+                holder
+            })
+            .await
+            .unwrap();
+        let holder_pid: i32 =
+            admin.query_one(&format!("SELECT pid FROM {log}"), &[]).await.unwrap().get(0);
+
+        net.cut();
+        let late_write = far.spawn(async move {
+            let result = holder.write("p", "s", "k", b"late".to_vec()).await;
+            (result, holder)
+        });
+        let (result, holder) = within("the write behind the partition", late_write).await.unwrap();
+        let e = result.expect_err("no answer can cross the partition");
+        assert!(matches!(e, Error::LeaseLost { reason: LossReason::DeadlinePassed, .. }), "{e:?}");
+
+        let successor = common::builder(&t).lease_ttl(TTL).renew_interval(TTL / 4).standby().open();
+        let successor = within("the standby takes over", successor).await.unwrap();
+        assert_eq!(successor.fencing_token(), 2);
+        successor.write("p", "s", "k", b"successor".to_vec()).await.unwrap();
+
+        net.heal();
+        let delivered = format!("SELECT count(*) FROM {log} WHERE pid = $1");
+        let deadline = Instant::now() + HANG_GUARD;
+        while admin.query_one(&delivered, &[&holder_pid]).await.unwrap().get::<_, i64>(0) < 2 {
+            assert!(Instant::now() < deadline, "the late write never reached the server");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let row = admin
+            .query_one(&format!("SELECT value, epoch FROM \"{t}\" WHERE key = 'k'"), &[])
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, Vec<u8>>(0), b"successor", "the late write wrote nothing");
+        assert_eq!(row.get::<_, i64>(1), 2);
+        assert_eq!(successor.read("p", "s", "k").await.unwrap(), b"successor");
+        assert!(matches!(*holder.lease_state().borrow(), LeaseState::Lost { epoch: 1, .. }));
+        successor.close().await.unwrap();
+        far.spawn(async move { drop(holder) }).await.unwrap();
+    });
+}
+
+/// The runtime of the test itself, on the server's side of the network.
+fn near() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The far side of a network: a namespace (`far`) whose only way to this one is through a
+/// router (a second namespace), like a machine in another subnet. `host_ip` is this side's
+/// address, reachable from `far`. Addresses are a random /29 of 198.18.0.0/15 (reserved for
+/// network tests, RFC 2544), so that test processes running at once do not collide. Both
+/// namespaces, with their links, are deleted on drop; if the process is killed first, `ip
+/// netns list` shows them (`pgfence-net-*`) until deleted by hand.
+///
+/// A cut makes the router discard every packet it would forward, both ways, and tell no one:
+/// what a failed link or a firewall between two subnets does. Neither end's kernel learns of
+/// it (a packet dropped on the sender's own interface would be reported to its TCP, which then
+/// gives up within seconds; an unreachable neighbour likewise), so TCP keeps retransmitting
+/// until a timeout ends the connection, or the link heals and the data arrives late.
+struct Network {
+    far: String,
+    router: String,
+    host_if: String,
+    host_ip: Ipv4Addr,
+}
+
+impl Network {
+    fn create() -> Network {
+        let id = uuid::Uuid::new_v4();
+        let tag = &id.simple().to_string()[..8];
+        let block = u32::from(Ipv4Addr::new(198, 18, 0, 0)) + (id.as_u128() as u32 % 16_384) * 8;
+        let ip = |offset| Ipv4Addr::from(block + offset);
+        let net = Network {
+            far: format!("pgfence-net-{tag}"),
+            router: format!("pgfence-net-{tag}-r"),
+            host_if: format!("pgf{tag}h"),
+            host_ip: ip(1),
+        };
+        if let Err(e) = run(&["ip", "netns", "add", &net.far]) {
+            panic!(
+                "could not create a network namespace ({e}). These tests need root and \
+                 iproute2; to leave them out, run with `-- --skip partitioned_`"
+            );
+        }
+        // From here on, dropping `net` cleans up.
+        let (far, router, host_if) = (&net.far, &net.router, &net.host_if);
+        for command in [
+            format!("ip netns add {router}"),
+            format!("ip link add {host_if} type veth peer name toroot netns {router}"),
+            format!("ip addr add {}/30 dev {host_if}", ip(1)),
+            format!("ip link set {host_if} up"),
+            format!("ip -n {router} addr add {}/30 dev toroot", ip(2)),
+            format!("ip -n {router} link set toroot up"),
+            format!("ip -n {router} link add toclient type veth peer name far netns {far}"),
+            format!("ip -n {router} addr add {}/30 dev toclient", ip(5)),
+            format!("ip -n {router} link set toclient up"),
+            format!("ip -n {far} addr add {}/30 dev far", ip(6)),
+            format!("ip -n {far} link set far up"),
+            format!("ip -n {far} link set lo up"),
+            format!("ip -n {far} route add default via {}", ip(5)),
+            format!("ip route add {}/30 via {}", ip(4), ip(2)),
+        ] {
+            run(&command.split(' ').collect::<Vec<_>>()).unwrap();
+        }
+        let forward = "echo 1 > /proc/sys/net/ipv4/ip_forward";
+        run(&["ip", "netns", "exec", router, "sh", "-c", forward]).unwrap();
+        net
+    }
+
+    /// A runtime whose threads are in the far namespace.
+    fn runtime(&self) -> Runtime {
+        let path = format!("/run/netns/{}", self.far);
+        let namespace = Arc::new(File::open(&path).unwrap());
+        let expected = format!("net:[{}]", namespace.metadata().unwrap().ino());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .on_thread_start(move || {
+                // SAFETY: a plain system call on a descriptor we keep open; it moves only the
+                // calling thread into the namespace.
+                let status = unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(status, 0, "setns: {}", std::io::Error::last_os_error());
+            })
+            .build()
+            .unwrap();
+        let inside = runtime
+            .block_on(runtime.spawn(async { std::fs::read_link("/proc/thread-self/ns/net") }))
+            .unwrap()
+            .unwrap();
+        assert_eq!(inside.to_string_lossy(), expected, "the runtime's threads are in {path}");
+        runtime
+    }
+
+    /// From now on the router silently discards every packet it would forward, both ways.
+    fn cut(&self) {
+        for link in ["toroot", "toclient"] {
+            let rule = ["rule", "add", "pref", "10", "iif", link, "blackhole"];
+            run(&[&["ip", "-n", &self.router], &rule[..]].concat()).unwrap();
+        }
+    }
+
+    fn heal(&self) {
+        for link in ["toroot", "toclient"] {
+            let rule = ["rule", "del", "pref", "10", "iif", link, "blackhole"];
+            run(&[&["ip", "-n", &self.router], &rule[..]].concat()).unwrap();
+        }
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        // Deleting either end of a veth pair deletes both, and a namespace's links go with it
+        // (the far one once its last thread has left: the far runtime is dropped before this).
+        let _ = run(&["ip", "link", "del", &self.host_if]);
+        for namespace in [&self.router, &self.far] {
+            if let Err(e) = run(&["ip", "netns", "del", namespace]) {
+                eprintln!("could not delete network namespace {namespace}: {e}");
+            }
+        }
+    }
+}
+
+fn run(args: &[&str]) -> Result<(), String> {
+    let output = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("could not run {}: {e}", args[0]))?;
+    match output.status.success() {
+        true => Ok(()),
+        false => Err(format!(
+            "`{}` failed ({}): {}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )),
+    }
+}
