@@ -101,6 +101,9 @@ async fn prepare(
     holder: &Holder,
 ) -> Result<Acquired> {
     tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
+    tx.execute(sql::SETUP_IDLE_TIMEOUT, &[&ttl.as_millis().to_string()])
+        .await
+        .map_err(Error::db("setup timeouts"))?;
     let control: Option<bool> = tx
         .query_one(sql::SESSION_CONTROL, &[])
         .await

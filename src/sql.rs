@@ -34,6 +34,15 @@ pub(crate) const TABLE_SCHEMA: &str = "SELECT coalesce($1::text, current_schema(
 pub(crate) const SETUP_TIMEOUTS: &str =
     "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
 
+/// Next in the setup transaction: the server ends the session if it is left idle in the
+/// transaction for one TTL (`$1`, in milliseconds, as text). Its client may be gone without a
+/// trace (cut off by a partition: the server notices a vanished client only through TCP
+/// keepalives, after hours by default) or paused; meanwhile the session would hold the setup
+/// lock, which every `open()` of the table waits for, and, once it has taken the lease, the
+/// lease row. So it holds up a failover at most about one TTL, as a holder cut off does.
+pub(crate) const SETUP_IDLE_TIMEOUT: &str =
+    "SELECT set_config('idle_in_transaction_session_timeout', $1, true)";
+
 /// Around the migrations, which may lock the KV table (`ACCESS EXCLUSIVE`, queueing every
 /// other reader of it behind them while they wait): the connection's own `lock_timeout`, if
 /// it has one, bounds that wait again, as the application asked. `DEFAULT` is the session's
