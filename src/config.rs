@@ -94,6 +94,9 @@ const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// tokio-postgres's keepalive idle time when none is configured: an idle time other than this
+/// was set by the caller.
+const TOKIO_POSTGRES_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
 
 impl Builder {
     pub(crate) fn new(source: Source) -> Builder {
@@ -232,7 +235,12 @@ impl Builder {
     /// defaults filled in where the caller set nothing: the connect timeout; a TCP user timeout
     /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
     /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
-    /// timeout of many minutes; an `application_name` of `pgfence <app>` so operators can
+    /// timeout of many minutes; TCP keepalives after one TTL without a word from the server
+    /// (at least a second), every second, so a connection waiting for an answer that was lost
+    /// on the way (nothing of ours unacknowledged, so the user timeout alone never fires) ends
+    /// about a second later, by that same user timeout, instead of after the kernel's two
+    /// hours of keepalive idle time (a caller who configured keepalives keeps them); an
+    /// `application_name` of `pgfence <app>` so operators can
     /// find the store's sessions; and, with [`Builder::tls`], `sslmode=require`. `None` for a
     /// pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
@@ -246,6 +254,15 @@ impl Builder {
         }
         if config.get_tcp_user_timeout().is_none() {
             config.tcp_user_timeout(self.lease_ttl);
+        }
+        let keepalives_untouched = config.get_keepalives()
+            && config.get_keepalives_idle() == TOKIO_POSTGRES_KEEPALIVES_IDLE
+            && config.get_keepalives_interval().is_none()
+            && config.get_keepalives_retries().is_none();
+        if keepalives_untouched {
+            // Whole seconds: the kernel takes nothing shorter.
+            config.keepalives_idle(self.lease_ttl.max(Duration::from_secs(1)));
+            config.keepalives_interval(Duration::from_secs(1));
         }
         if config.get_application_name().is_none() {
             config.application_name(format!("pgfence {}", self.application_name));
@@ -368,4 +385,44 @@ pub(crate) fn host_name() -> String {
         .filter(|s| !s.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown-host".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PgKvStore;
+
+    fn effective(config: tokio_postgres::Config, ttl: Duration) -> tokio_postgres::Config {
+        let builder = PgKvStore::builder_from_config(config).lease_ttl(ttl);
+        builder.connection_config().expect("a config source")
+    }
+
+    #[test]
+    fn connections_probe_after_one_ttl_of_silence_unless_keepalives_are_configured() {
+        let ttl = Duration::from_secs(20);
+        let config = effective(tokio_postgres::Config::new(), ttl);
+        assert!(config.get_keepalives());
+        assert_eq!(config.get_keepalives_idle(), ttl);
+        assert_eq!(config.get_keepalives_interval(), Some(Duration::from_secs(1)));
+        assert_eq!(config.get_tcp_user_timeout(), Some(&ttl));
+
+        // The kernel counts keepalive idle time in whole seconds.
+        let config = effective(tokio_postgres::Config::new(), Duration::from_millis(500));
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(1));
+
+        let mut own = tokio_postgres::Config::new();
+        own.keepalives_idle(Duration::from_secs(300));
+        let config = effective(own, ttl);
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(300));
+        assert_eq!(config.get_keepalives_interval(), None);
+
+        let mut own = tokio_postgres::Config::new();
+        own.keepalives_retries(3);
+        let config = effective(own, ttl);
+        assert_eq!(config.get_keepalives_idle(), TOKIO_POSTGRES_KEEPALIVES_IDLE);
+
+        let mut off = tokio_postgres::Config::new();
+        off.keepalives(false);
+        assert!(!effective(off, ttl).get_keepalives());
+    }
 }

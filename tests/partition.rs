@@ -32,6 +32,9 @@ use tokio::runtime::Runtime;
 
 const TTL: Duration = Duration::from_secs(2);
 
+/// The class key of the store's setup lock (`sql::SETUP_LOCK_CLASS`, "pgfe").
+const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
+
 /// Every connection gets a TCP user timeout of one TTL unless the caller set one (README,
 /// "Connections"), "so a partition fails a statement instead of hanging it for many minutes".
 /// Behind a real partition the kernel ends a pooled connection with a query in flight no
@@ -181,6 +184,64 @@ fn partitioned_holder_s_write_delivered_after_a_takeover_does_not_commit() {
     });
 }
 
+/// A store cut off in the middle of `open()`'s setup transaction, after it took the table's
+/// setup lock, leaves a server session idle in that transaction, waiting for a client whose
+/// packets no longer arrive (the server notices a vanished client only through TCP keepalives,
+/// after hours by default). That session holds the setup lock, which every `open()` of the
+/// table takes: a failover would wait for it. The server ends it once it has been idle in
+/// the transaction for one TTL (of the store that began it), so other stores open. The
+/// cut-off store's `open()` fails as well, while the network is still cut (its connection,
+/// waiting for an answer, heard nothing for a TTL and a keepalive probe went unanswered),
+/// instead of waiting hours for the server's answer: it never holds a lease it did not commit.
+#[test]
+fn partitioned_setup_holds_up_other_opens_for_at_most_about_one_ttl() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partsetup");
+        common::open(&t).await.close().await.unwrap();
+        let mut admin = admin().await;
+        let tx = admin.transaction().await.unwrap();
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1, hashtext('public.' || $2))",
+            &[&SETUP_LOCK_CLASS, &t],
+        )
+        .await
+        .unwrap();
+        let app = format!("cut-{t}");
+        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(TTL)
+            .application_name(&app)
+            .open();
+        let cut_off = far.spawn(opening);
+        common::wait_for_app_lock_wait(&app).await;
+        // Nothing of the store's unacknowledged when the cut comes (its statement's last bytes
+        // may wait a moment for a delayed acknowledgement): only a keepalive can tell it then.
+        net.wait_until_all_sent();
+        net.cut();
+        // The cut-off session takes the setup lock; its answer is lost on the way.
+        tx.commit().await.unwrap();
+
+        let started = Instant::now();
+        let successor = common::builder(&t).lease_ttl(TTL).renew_interval(TTL / 4).open();
+        let successor = within("another store opens", successor).await.unwrap();
+        println!("another store opened after {:?} (TTL {TTL:?})", started.elapsed());
+        assert_eq!(successor.fencing_token(), 2);
+        common::wait_until_no_sessions(&app).await;
+
+        // Still cut off, the store's own open() ends too: its connection heard nothing for a
+        // TTL, and a keepalive probe went unanswered.
+        let result = within("the cut-off open()", cut_off).await.unwrap();
+        println!("the cut-off open() returned after {:?}: {result:?}", started.elapsed());
+        let e = result.expect_err("the cut-off store never got its setup's answers");
+        assert!(matches!(&e, Error::Database { source, .. } if source.is_closed()), "{e:?}");
+        successor.close().await.unwrap();
+    });
+}
+
 /// The runtime of the test itself, on the server's side of the network.
 fn near() -> Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
@@ -270,6 +331,25 @@ impl Network {
             .unwrap();
         assert_eq!(inside.to_string_lossy(), expected, "the runtime's threads are in {path}");
         runtime
+    }
+
+    /// Waits until every TCP connection of the far namespace has all it sent acknowledged.
+    fn wait_until_all_sent(&self) {
+        let deadline = Instant::now() + HANG_GUARD;
+        loop {
+            let sockets = ["ip", "netns", "exec", &self.far, "ss", "-tnH", "state", "established"];
+            let output = Command::new(sockets[0]).args(&sockets[1..]).output().unwrap();
+            assert!(output.status.success(), "{sockets:?}: {output:?}");
+            // Columns: Recv-Q, Send-Q, local and peer address.
+            let unacknowledged = String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .any(|line| line.split_whitespace().nth(1) != Some("0"));
+            if !unacknowledged {
+                return;
+            }
+            assert!(Instant::now() < deadline, "data still unacknowledged: {output:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// From now on the router silently discards every packet it would forward, both ways.
