@@ -23,6 +23,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{HANG_GUARD, admin, server, table, within};
@@ -242,6 +243,107 @@ fn partitioned_setup_holds_up_other_opens_for_at_most_about_one_ttl() {
     });
 }
 
+/// A holder cut off for good loses its lease at the local deadline, and its connections do not
+/// linger: each ends within about a TTL of its last word from the server, even one idle in
+/// the pool (a keepalive probe goes unanswered), so none stays open for hours holding a socket
+/// and a task. (On the server's side each session ends when the server notices, as for any
+/// vanished client.)
+#[test]
+fn partitioned_holder_s_connections_all_end_after_the_loss() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partgone");
+        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(TTL)
+            .open();
+        let holder = within("holder opens", far.spawn(opening)).await.unwrap().unwrap();
+        let holder = far
+            .spawn(async move {
+                holder.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+                holder
+            })
+            .await
+            .unwrap();
+        // The renewal thread connects for its first renewal.
+        let deadline = Instant::now() + HANG_GUARD;
+        while net.established() < 2 {
+            assert!(Instant::now() < deadline, "the renewal's and a pooled connection");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        net.wait_until_all_sent();
+        net.cut();
+        common::wait_until_lost(&holder).await;
+        let lost = Instant::now();
+        let deadline = lost + HANG_GUARD;
+        while net.established() > 0 {
+            assert!(Instant::now() < deadline, "connections left open: {}", net.established());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("the last connection ended {:?} after the loss (TTL {TTL:?})", lost.elapsed());
+        assert!(matches!(*holder.lease_state().borrow(), LeaseState::Lost { epoch: 1, .. }));
+        far.spawn(async move { drop(holder) }).await.unwrap();
+    });
+}
+
+/// A partition shorter than the local deadline costs nothing: writes sent during it are
+/// delivered by TCP once it heals and acknowledged, the lease stays held throughout (renewals
+/// that failed or waited are retried), and every acknowledged write is in the table.
+#[test]
+fn partitioned_briefly_the_holder_keeps_its_lease_and_every_write() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partbrief");
+        // A generous deadline (20 s) against a 3 s partition: TCP's retransmission backoff
+        // delivers what waited within a few seconds of the heal.
+        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(Duration::from_secs(30))
+            .renew_interval(Duration::from_secs(1))
+            .open();
+        let holder = within("holder opens", far.spawn(opening)).await.unwrap().unwrap();
+        let mut state = holder.lease_state();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                let (holder, stop) = (holder.clone(), stop.clone());
+                far.spawn(async move {
+                    let key = format!("w{w}");
+                    let mut acknowledged = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let next = acknowledged + 1;
+                        holder.write("p", "s", &key, next.to_be_bytes().to_vec()).await?;
+                        acknowledged = next;
+                    }
+                    pgfence::Result::<(String, u64)>::Ok((key, acknowledged))
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        net.cut();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        net.heal();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.store(true, Ordering::Relaxed);
+        for writer in writers {
+            let (key, acknowledged) = within("writer", writer).await.unwrap().unwrap();
+            let value = within("read", holder.read("p", "s", &key)).await.unwrap();
+            assert_eq!(value, acknowledged.to_be_bytes(), "{key}: the last acknowledged write");
+        }
+        assert!(state.has_changed().is_ok_and(|changed| !changed), "{:?}", *state.borrow());
+        assert!(matches!(*state.borrow_and_update(), LeaseState::Held { epoch: 1, .. }));
+        let holder = far.spawn(async move { holder.close().await }).await.unwrap();
+        holder.unwrap();
+    });
+}
+
 /// The runtime of the test itself, on the server's side of the network.
 fn near() -> Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
@@ -333,21 +435,29 @@ impl Network {
         runtime
     }
 
+    /// How many TCP connections of the far namespace are established.
+    fn established(&self) -> usize {
+        self.sockets().lines().count()
+    }
+
+    /// `ss` of the far namespace's established TCP connections: Recv-Q, Send-Q, local and peer
+    /// address, one line each.
+    fn sockets(&self) -> String {
+        let sockets = ["ip", "netns", "exec", &self.far, "ss", "-tnH", "state", "established"];
+        let output = Command::new(sockets[0]).args(&sockets[1..]).output().unwrap();
+        assert!(output.status.success(), "{sockets:?}: {output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
     /// Waits until every TCP connection of the far namespace has all it sent acknowledged.
     fn wait_until_all_sent(&self) {
         let deadline = Instant::now() + HANG_GUARD;
         loop {
-            let sockets = ["ip", "netns", "exec", &self.far, "ss", "-tnH", "state", "established"];
-            let output = Command::new(sockets[0]).args(&sockets[1..]).output().unwrap();
-            assert!(output.status.success(), "{sockets:?}: {output:?}");
-            // Columns: Recv-Q, Send-Q, local and peer address.
-            let unacknowledged = String::from_utf8_lossy(&output.stdout)
-                .lines()
-                .any(|line| line.split_whitespace().nth(1) != Some("0"));
-            if !unacknowledged {
+            let sockets = self.sockets();
+            if sockets.lines().all(|line| line.split_whitespace().nth(1) == Some("0")) {
                 return;
             }
-            assert!(Instant::now() < deadline, "data still unacknowledged: {output:?}");
+            assert!(Instant::now() < deadline, "data still unacknowledged:\n{sockets}");
             std::thread::sleep(Duration::from_millis(10));
         }
     }
