@@ -131,10 +131,17 @@ async fn prepare(
             return Err(held(table, info));
         }
     }
-    if table.schema.is_some() {
-        tx.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table))
+    if let Some(schema) = &table.schema {
+        let exists: bool = tx
+            .query_one(sql::SCHEMA_EXISTS, &[schema])
             .await
-            .map_err(Error::db("create schema"))?;
+            .map_err(Error::db("look for the schema"))?
+            .get(0);
+        if !exists {
+            tx.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table))
+                .await
+                .map_err(Error::db("create schema"))?;
+        }
     }
     tx.batch_execute(&statements.create_version_table)
         .await

@@ -52,6 +52,14 @@ pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 
+/// Whether the schema named `$1` (as given, case kept) exists. The setup creates a table's
+/// schema only when it does not: PostgreSQL checks the privilege to create schemas in the
+/// database before it looks whether one exists, so `CREATE SCHEMA IF NOT EXISTS` of an existing
+/// schema fails for a role that may use the schema but not create schemas (the usual
+/// least-privilege setup, with the schema made by an administrator).
+pub(crate) const SCHEMA_EXISTS: &str =
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)";
+
 pub(crate) const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
 
 pub(crate) const CREATE_VERSION_TABLE: &str = r#"

@@ -820,3 +820,34 @@ async fn abort_policy_child() {
     let _ = store.write("a", "s", "k", vec![]).await;
     println!("child survived");
 }
+
+/// The usual least-privilege setup: an administrator creates the schema and grants it to the
+/// application's role, which may not create schemas in the database (only a database's owner
+/// may, unless granted). That role opens a table in the schema: the setup creates the schema
+/// only when it is missing (PostgreSQL checks the privilege of `CREATE SCHEMA IF NOT EXISTS`
+/// before it looks whether the schema exists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn role_that_may_not_create_schemas_opens_a_table_in_a_granted_schema() {
+    let schema = table("granted");
+    let role = table("nocreatedb");
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; CREATE SCHEMA {schema};
+             GRANT USAGE, CREATE ON SCHEMA {schema} TO {role};"
+        ))
+        .await
+        .unwrap();
+    let mut config = server().config();
+    config.user(&role);
+    let store = PgKvStore::builder_from_config(config)
+        .table(format!("{schema}.kv"))
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(15))
+        .open()
+        .await
+        .unwrap();
+    store.write("a", "b", "c", b"x".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
+
