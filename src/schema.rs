@@ -60,11 +60,11 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired> {
     let cancel = client.cancel_token();
-    let tx = client.transaction().await.map_err(Error::db("begin setup"))?;
+    let mut tx = client.transaction().await.map_err(Error::db("begin setup"))?;
     let prepared = tokio::select! {
         biased;
         _ = &mut *caller => None,
-        prepared = prepare(&tx, table, statements, ttl, holder) => Some(prepared),
+        prepared = prepare(&mut tx, table, statements, ttl, holder) => Some(prepared),
     };
     let acquired = match prepared {
         None => {
@@ -94,7 +94,7 @@ pub(crate) async fn setup_and_acquire(
 
 /// The setup transaction's statements up to the commit (see [`setup_and_acquire`]).
 async fn prepare(
-    tx: &tokio_postgres::Transaction<'_>,
+    tx: &mut tokio_postgres::Transaction<'_>,
     table: &TableName,
     statements: &Statements,
     ttl: Duration,
@@ -138,9 +138,7 @@ async fn prepare(
             .map_err(Error::db("look for the schema"))?
             .get(0);
         if !exists {
-            tx.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table))
-                .await
-                .map_err(Error::db("create schema"))?;
+            create_schema(tx, table).await?;
         }
     }
     tx.batch_execute(&statements.create_version_table)
@@ -205,6 +203,24 @@ async fn prepare(
         .await
         .map_err(Error::db("acquire lease"))?;
     Ok(Acquired { owner_id, epoch, started, channel })
+}
+
+/// Creates the table's missing schema. Setups of two tables in one new schema do not wait for
+/// each other (their setup locks differ), so another may create the schema first: this one's
+/// `CREATE SCHEMA` then waits for that transaction and, once it commits, fails with a unique
+/// violation on the schema's name, with the schema there as wanted. Under a savepoint, that
+/// failure is undone alone and the setup goes on.
+async fn create_schema(tx: &mut tokio_postgres::Transaction<'_>, table: &TableName) -> Result<()> {
+    let savepoint =
+        tx.savepoint("pgfence_create_schema").await.map_err(Error::db("create schema"))?;
+    match savepoint.batch_execute(&sql::substitute(sql::CREATE_SCHEMA, table)).await {
+        Ok(()) => savepoint.commit().await.map_err(Error::db("create schema")),
+        Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {
+            tracing::debug!(table = %table.display(), "pgfence schema created concurrently");
+            savepoint.rollback().await.map_err(Error::db("create schema"))
+        }
+        Err(source) => Err(Error::Database { operation: "create schema", source }),
+    }
 }
 
 /// The NOTIFY channel of `table`, with its name resolved by `client`'s session

@@ -851,3 +851,22 @@ async fn role_that_may_not_create_schemas_opens_a_table_in_a_granted_schema() {
     store.close().await.unwrap();
 }
 
+/// Stores of two tables in one new schema, opened at once on a fresh database, both create
+/// the schema: their setups do not serialize each other (different tables), so one waits in
+/// `CREATE SCHEMA` for the other's uncommitted one. Once that commits, the waiting setup finds
+/// the schema there and opens, instead of failing with PostgreSQL's unique violation. The
+/// other setup is played here by an open transaction that created the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creation_of_the_tables_schema_is_not_an_error() {
+    let schema = table("racing");
+    let app = table("schemarace");
+    let mut db = admin().await;
+    let other_setup = db.transaction().await.unwrap();
+    other_setup.batch_execute(&format!("CREATE SCHEMA {schema}")).await.unwrap();
+    let opening = tokio::spawn(builder(&format!("{schema}.kv")).application_name(&app).open());
+    common::wait_for_app_lock_wait(&app).await;
+    other_setup.commit().await.unwrap();
+    let store = within("open", opening).await.unwrap().unwrap();
+    store.write("a", "b", "c", b"x".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
