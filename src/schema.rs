@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio_postgres::IsolationLevel;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
@@ -60,7 +61,17 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired> {
     let cancel = client.cancel_token();
-    let mut tx = client.transaction().await.map_err(Error::db("begin setup"))?;
+    // Read committed whatever `default_transaction_isolation` says: each statement must see
+    // what was committed before it, above all what a concurrent setup committed while this one
+    // waited for the setup lock (the lease it took). Under repeatable read or serializable the
+    // snapshot would be older than that wait, and taking the lease would fail with a
+    // serialization error instead of finding it held (which ends a standby's wait for good).
+    let mut tx = client
+        .build_transaction()
+        .isolation_level(IsolationLevel::ReadCommitted)
+        .start()
+        .await
+        .map_err(Error::db("begin setup"))?;
     let prepared = tokio::select! {
         biased;
         _ = &mut *caller => None,

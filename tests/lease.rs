@@ -870,3 +870,46 @@ async fn concurrent_creation_of_the_tables_schema_is_not_an_error() {
     store.write("a", "b", "c", b"x".to_vec()).await.unwrap();
     store.close().await.unwrap();
 }
+
+/// With `default_transaction_isolation` set to `serializable` (or `repeatable read`) for the
+/// database, the role or the connection, a setup that waited for the setup lock still sees
+/// what the setup before it committed: it finds the lease held (`LeaseHeld`, on which a
+/// standby keeps waiting), not a serialization failure from a snapshot taken before the wait
+/// (on which a standby would stop). The setup before it is played here by a transaction that
+/// takes the setup lock and the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_after_a_concurrent_one_gets_lease_held_whatever_the_default_isolation() {
+    let t = table("isolation");
+    let app = table("serializable");
+    common::open(&t).await.close().await.unwrap(); // The tables exist, the lease is free.
+    let mut db = admin().await;
+    let other_setup = db.transaction().await.unwrap();
+    other_setup
+        .execute(
+            "SELECT pg_advisory_xact_lock($1, hashtext(current_schema() || '.' || $2))",
+            &[&0x7067_6665_i32, &t],
+        )
+        .await
+        .unwrap();
+    let take = format!(
+        "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                expires_at = clock_timestamp() + interval '1 hour' WHERE id = 1",
+        lease_table(&t)
+    );
+    other_setup.execute(&take, &[]).await.unwrap();
+    let mut config = server().config();
+    let options = config.get_options().unwrap_or_default().to_owned();
+    config.options(format!("{options} -c default_transaction_isolation=serializable"));
+    let opening = tokio::spawn(
+        PgKvStore::builder_from_config(config)
+            .table(&t)
+            .pool_size(1)
+            .lease_ttl(Duration::from_secs(15))
+            .application_name(&app)
+            .open(),
+    );
+    common::wait_for_app_lock_wait(&app).await;
+    other_setup.commit().await.unwrap();
+    let e = within("open", opening).await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::LeaseHeld { epoch: 2, .. }), "{e:?}");
+}
