@@ -225,7 +225,8 @@ impl Builder {
     }
 
     /// How the holder names itself in the lease row, for operators (default: the executable's
-    /// name). Host and process id are recorded too.
+    /// name). Host and process id are recorded too. A NUL byte in it is refused by `open()`
+    /// ([`Error::InvalidConfig`]).
     pub fn application_name(mut self, name: impl Into<String>) -> Self {
         self.application_name = name.into();
         self
@@ -332,6 +333,12 @@ impl Builder {
         }
         if self.page_size == 0 || self.page_size > 100_000 {
             return Err(Error::config("page_size", "must be between 1 and 100000"));
+        }
+        // PostgreSQL takes no NUL in a connection's startup parameters or a text value: the
+        // connection would fail to encode it, an error that looks like a connection failure
+        // and on which a standby would wait forever.
+        if self.application_name.contains('\0') {
+            return Err(Error::config("application_name", "must not contain a NUL byte"));
         }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect_timeout", "must be above zero"));

@@ -184,3 +184,17 @@ async fn role_that_may_not_terminate_sessions_is_refused() {
     assert!(matches!(e, Error::InvalidConfig { field: "role", .. }), "{e:?}");
     assert!(e.to_string().contains("pg_terminate_backend"), "says what is missing: {e}");
 }
+
+/// An application name with a NUL byte cannot be sent to PostgreSQL (neither in the startup
+/// message nor as a text value of the lease row): a configuration error, typed as such before
+/// any connection, and not a connection error on which a standby would wait forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_name_with_a_nul_byte_is_invalid_config() {
+    let t = table("nulapp");
+    let e = builder(&t).application_name("node\0a").open().await.unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { field: "application_name", .. }), "{e:?}");
+    let standby = builder(&t).application_name("node\0a").standby().timeout(Duration::from_secs(5));
+    let e = common::within("standby", standby.open()).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { field: "application_name", .. }), "{e:?}");
+    assert_eq!(tables_like(&t).await, 0, "nothing created");
+}
