@@ -9,7 +9,7 @@ use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
 use crate::connect::Tls;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, is_connection_error};
 use crate::keys::TableName;
 use crate::sql::{self, Statements};
 
@@ -33,6 +33,8 @@ pub(crate) struct Acquired {
 /// Who describes itself in the lease row.
 #[derive(Debug)]
 pub(crate) struct Holder {
+    /// Chosen by the caller, so that it can release a lease whose setup commit went unanswered.
+    pub(crate) owner_id: Uuid,
     pub(crate) host: String,
     pub(crate) pid: i32,
     pub(crate) app: String,
@@ -99,8 +101,16 @@ pub(crate) async fn setup_and_acquire(
         tx.rollback().await.map_err(Error::db("rollback setup"))?;
         return Err(Error::Closed);
     }
-    tx.commit().await.map_err(Error::db("commit setup"))?;
+    tx.commit().await.map_err(Error::db(COMMIT_SETUP))?;
     Ok(acquired)
+}
+
+const COMMIT_SETUP: &str = "commit setup";
+
+/// Whether `e` is [`setup_and_acquire`]'s commit left without an answer (its connection
+/// broke): that commit may have taken the lease on the server all the same.
+pub(crate) fn commit_unanswered(e: &Error) -> bool {
+    matches!(e, Error::Database { operation: COMMIT_SETUP, source } if is_connection_error(source))
 }
 
 /// The setup transaction's statements up to the commit (see [`setup_and_acquire`]).
@@ -184,10 +194,12 @@ async fn prepare(
     // Resolved here, in the transaction that took the setup lock by the same rule, so the
     // release wakes every standby of this table, however it spelled the name.
     let channel = notify_channel(tx, table).await.map_err(Error::db("resolve table schema"))?;
-    let owner_id = Uuid::new_v4();
     let ttl_ms = ttl.as_millis() as i64;
     let rows = tx
-        .query(&statements.acquire, &[&owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app])
+        .query(
+            &statements.acquire,
+            &[&holder.owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app],
+        )
         .await
         .map_err(Error::db("acquire lease"))?;
     let Some(row) = rows.first() else {
@@ -210,10 +222,10 @@ async fn prepare(
     // deadline must not come after the database's expiry).
     let started = crate::lease::clock();
     // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
-    tx.query_one(&statements.restart_expiry, &[&owner_id, &ttl_ms])
+    tx.query_one(&statements.restart_expiry, &[&holder.owner_id, &ttl_ms])
         .await
         .map_err(Error::db("acquire lease"))?;
-    Ok(Acquired { owner_id, epoch, started, channel })
+    Ok(Acquired { owner_id: holder.owner_id, epoch, started, channel })
 }
 
 /// Creates the table's missing schema. Setups of two tables in one new schema do not wait for

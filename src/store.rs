@@ -1029,10 +1029,13 @@ impl Builder {
             other => other.map_err(Error::pool("connect"))?,
         };
         let holder = Holder {
+            owner_id: Uuid::new_v4(),
             host: host_name(),
             pid: std::process::id() as i32,
             app: self.application_name.clone(),
         };
+        // Known before the setup, so that a setup whose commit goes unanswered can be ended.
+        let backend = identify(&client).await?;
         let acquired = schema::setup_and_acquire(
             &mut client,
             &self.tls,
@@ -1046,11 +1049,23 @@ impl Builder {
         let acquired = match acquired {
             Ok(acquired) => acquired,
             Err(e) => {
-                if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
+                let abandoned = caller.try_recv() != Err(oneshot::error::TryRecvError::Empty);
+                let unanswered = backend.filter(|_| schema::commit_unanswered(&e));
+                if abandoned || unanswered.is_some() {
                     // Abandoned: a cancel request was sent for this connection's setup and
-                    // may land late, on whatever it runs next. Never hand it back to a pool
-                    // (the application's own, with `builder_from_pool`): close it.
+                    // may land late, on whatever it runs next. Unanswered: broken. Never hand
+                    // it back to a pool (the application's own, with `builder_from_pool`):
+                    // close it, before the release below needs a connection of that pool.
                     drop(deadpool_postgres::Object::take(client));
+                }
+                if let Some(backend) = unanswered {
+                    let owner_id = holder.owner_id;
+                    let release =
+                        release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
+                    if tokio::time::timeout(self.connect_timeout, release).await.is_err() {
+                        tracing::warn!(table = %table.display(),
+                            "pgfence could not release a lease whose setup commit went unanswered in time; it expires by its TTL");
+                    }
                 }
                 return Err(e);
             }
@@ -1122,6 +1137,55 @@ impl Builder {
                 coalescer: Coalescer::new(self.write_concurrency),
             }),
         })
+    }
+}
+
+/// The server process of a connection: `None` when the role cannot see it (the setup then
+/// refuses the role).
+async fn identify(client: &tokio_postgres::Client) -> Result<Option<Backend>> {
+    let row = client
+        .query_one(sql::BACKEND_IDENTITY, &[])
+        .await
+        .map_err(Error::db("identify connection"))?;
+    let started: Option<SystemTime> = row.get(1);
+    Ok(started.map(|started| Backend { pid: row.get(0), started }))
+}
+
+/// After a setup whose commit went unanswered (its connection broke): that commit may have
+/// taken the lease, and no store would renew or release it, so it would stay held by nobody
+/// until it expires (a standby retrying would wait for it). Ends the setup's server process,
+/// waits until it is gone (its transaction is decided then: a release before that could miss
+/// a commit still on its way), and releases the lease by the setup's owner id, which matches
+/// nothing if the commit did not happen. Best effort: the lease expires by its TTL otherwise.
+async fn release_unanswered_setup(
+    pool: &Pool,
+    table: &TableName,
+    statements: &Statements,
+    backend: &Backend,
+    owner_id: Uuid,
+) {
+    let operation = "release after an unanswered setup commit";
+    let attempt = async {
+        let client = pool.get().await.map_err(Error::pool(operation))?;
+        let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
+        let released = async {
+            client.query(sql::TERMINATE_BACKEND, &params).await?;
+            while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let channel = schema::notify_channel(&**client, table).await?;
+            client.query(&statements.release, &[&owner_id, &channel]).await
+        };
+        released.await.map_err(Error::db(operation))
+    };
+    match attempt.await {
+        Ok(rows) if rows.is_empty() => {
+            tracing::debug!(table = %table.display(), "pgfence unanswered setup commit took no lease");
+        }
+        Ok(_) => tracing::warn!(table = %table.display(), %owner_id,
+            "pgfence released the lease of a setup whose commit went unanswered"),
+        Err(e) => tracing::warn!(table = %table.display(), error = %e,
+            "pgfence could not release the lease of a setup whose commit went unanswered; it expires by its TTL"),
     }
 }
 

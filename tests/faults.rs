@@ -270,6 +270,50 @@ async fn retries_ending_in_an_error_after_a_possible_commit_fail_closed() {
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
 
+/// The setup's commit takes the lease on the server, but its answer is lost with the
+/// connection (here the server waits for a synchronous standby that does not exist, and that
+/// wait is ended by terminating the session: PostgreSQL has committed locally by then).
+/// `open()` fails, and no store renews or releases that lease: it must not stay held by nobody
+/// until its TTL runs out (a standby retrying after the error would find its own attempt's
+/// lease and wait for it). The open releases it by owner id, so the next one opens at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setup_commit_whose_answer_is_lost_leaves_no_lease_behind() {
+    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let open = |app: &str| {
+        PgKvStore::builder_from_config(cluster.config())
+            .table("kv")
+            .pool_size(2)
+            .lease_ttl(Duration::from_secs(60))
+            .application_name(app)
+            .open()
+    };
+    open("first").await.unwrap().close().await.unwrap(); // Tables made, lease free (epoch 1).
+
+    set_synchronous_standby_names(&cluster, "nobody").await;
+    let opening = tokio::spawn(open("lost"));
+    let db = cluster.connect().await.unwrap();
+    let end_the_commit = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                           WHERE wait_event = 'SyncRep' AND application_name = 'pgfence lost'";
+    within("the setup's commit waiting", async {
+        while db.query(end_the_commit, &[]).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    set_synchronous_standby_names(&cluster, "").await;
+    let e = within("the open", opening).await.unwrap().unwrap_err();
+    assert!(matches!(e, Error::Database { operation: "commit setup", .. }), "{e:?}");
+    let lease = "SELECT epoch, expires_at <= clock_timestamp() FROM kv_lease";
+    let row = db.query_one(lease, &[]).await.unwrap();
+    let (epoch, expired): (i64, bool) = (row.get(0), row.get(1));
+    assert_eq!(epoch, 2, "the unanswered commit did take the lease on the server");
+    assert!(expired, "and the failed open released it before it returned");
+
+    let next = within("the next open", open("next")).await.expect("no lease left behind");
+    assert_eq!(next.fencing_token(), 3);
+    next.close().await.unwrap();
+}
+
 /// Sets `synchronous_standby_names` and returns once the server has reloaded it: a new session
 /// sees it, so every existing one has been signalled and applies it before its next statement.
 async fn set_synchronous_standby_names(cluster: &pgfence::testing::TestCluster, names: &str) {
