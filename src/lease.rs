@@ -220,10 +220,18 @@ impl Lease {
     /// `WriteOutcomeUnknown`, except that after a release it is `LeaseLost` all the same, not
     /// `Closed`, which would read as "not written".
     pub(crate) fn fail_outcome_unknown(&self) -> Error {
+        self.fail_sent(LossReason::WriteOutcomeUnknown)
+    }
+
+    /// The error of a mutation whose statement was sent and may still commit: [`Lease::fail`]
+    /// with `reason`, except that after a release it is `LeaseLost` (with `reason`) all the
+    /// same, not `Closed`, which would read as "not written". The caller may have found the
+    /// lease still held a moment before: a release can land in between.
+    pub(crate) fn fail_sent(&self, reason: LossReason) -> Error {
         if self.given_up.load(Ordering::SeqCst) {
-            return Error::LeaseLost { epoch: self.epoch, reason: LossReason::WriteOutcomeUnknown };
+            return Error::LeaseLost { epoch: self.epoch, reason };
         }
-        self.fail(LossReason::WriteOutcomeUnknown)
+        self.fail(reason)
     }
 
     /// The `LeaseLost` error, after the policy's panic or abort if it has one.

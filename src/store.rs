@@ -662,15 +662,19 @@ impl Inner {
                 // with the connection still up: renewal cannot confirm the lease either, or it
                 // would have moved the deadline). The store fails closed now, as every later
                 // operation would; a mutation sent may still commit, as one that locked the
-                // lease row before a loss may, and its caller is told its outcome is unknown.
+                // lease row before a loss may, and its caller is told its outcome is unknown:
+                // `LeaseLost`, also if a close() released the lease since the deadline was
+                // seen (`deadline_reported` returns only while the lease is not given up, but
+                // a release can land right after).
                 tracing::error!(
                     operation,
                     "pgfence gave up waiting for the server at the local deadline"
                 );
-                if let Some(pending) = pending {
-                    pending.settled(); // The loss is reported here, to the caller.
-                }
-                return Err(self.lease.fail(LossReason::DeadlinePassed));
+                let Some(pending) = pending else {
+                    return Err(self.lease.fail(LossReason::DeadlinePassed)); // Nothing sent.
+                };
+                pending.settled(); // The loss is reported here, to the caller.
+                return Err(self.lease.fail_sent(LossReason::DeadlinePassed));
             };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {

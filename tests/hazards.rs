@@ -1,15 +1,17 @@
 //! The subtle ways ordering and fencing can break: a statement orphaned by a broken
 //! connection, a dropped write future, a write whose runtime shuts down mid-statement, a stale
-//! expiry check after a lock wait, a stalled contender, a hung close, and a loss found by
-//! renewal.
+//! expiry check after a lock wait, a stalled contender, a hung close, a close racing the local
+//! deadline, and a loss found by renewal.
 
 mod common;
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use common::{admin, builder, lease_row, lease_table, table, within};
+use common::{HANG_GUARD, admin, builder, lease_row, lease_table, table, within};
 use pgfence::testing::{Proxy, TestServer};
 use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
+use tracing_subscriber::layer::SubscriberExt;
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -516,6 +518,172 @@ async fn operations_unanswered_at_the_local_deadline_return_lease_lost() {
     let info = within("lease info on a new connection", store.lease_info()).await.unwrap();
     assert_eq!(info.map(|info| info.epoch), Some(1));
     store.close().await.unwrap();
+}
+
+/// What the store logs when an operation gives up waiting for its answer at the local deadline:
+/// after it saw the deadline pass, before it reports the loss to its caller.
+const GAVE_UP_AT_THE_DEADLINE: &str =
+    "pgfence gave up waiting for the server at the local deadline";
+
+/// A pause point in the store's code, for a window too narrow to hit otherwise: the first task
+/// that logs the event `message` stops inside that log call, and so at that point of the code,
+/// until the test lets it go (or [`HANG_GUARD`] passes). Only tasks of [`Paused`], a runtime of
+/// its own whose threads alone log to it, are paused: the other tests of this binary are not.
+#[derive(Clone)]
+struct Pause(Arc<PauseState>);
+
+struct PauseState {
+    message: &'static str,
+    reached: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    go: (Mutex<bool>, Condvar),
+}
+
+impl Pause {
+    /// The pause point, and what completes once a task stops at it.
+    fn at(message: &'static str) -> (Pause, tokio::sync::oneshot::Receiver<()>) {
+        let (reached, reached_rx) = tokio::sync::oneshot::channel();
+        let state = PauseState {
+            message,
+            reached: Mutex::new(Some(reached)),
+            go: (Mutex::new(false), Condvar::new()),
+        };
+        (Pause(Arc::new(state)), reached_rx)
+    }
+
+    fn go(&self) {
+        let (go, cv) = &self.0.go;
+        *go.lock().unwrap() = true;
+        cv.notify_all();
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Pause {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        if message.0 != self.0.message {
+            return;
+        }
+        let Some(reached) = self.0.reached.lock().unwrap().take() else {
+            return; // Only the first task to get here stops.
+        };
+        let _ = reached.send(());
+        let (go, cv) = &self.0.go;
+        let _ = cv.wait_timeout_while(go.lock().unwrap(), HANG_GUARD, |go| !*go).unwrap();
+    }
+}
+
+/// A runtime (one worker thread) whose tasks stop at a [`Pause`]. Dropped, it lets them go and
+/// shuts down in the background (a runtime cannot be dropped in place inside another one).
+struct Paused {
+    runtime: Option<tokio::runtime::Runtime>,
+    pause: Pause,
+}
+
+impl Paused {
+    fn at(pause: &Pause) -> Paused {
+        let on_thread = pause.clone();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .on_thread_start(move || {
+                let subscriber = tracing_subscriber::registry().with(on_thread.clone());
+                // For the thread's whole life: its tasks log to the pause point.
+                std::mem::forget(tracing::subscriber::set_default(subscriber));
+            })
+            .build()
+            .unwrap();
+        Paused { runtime: Some(runtime), pause: pause.clone() }
+    }
+
+    /// Spawns `work` here: so do the tasks it spawns (a write's own task, say).
+    fn spawn<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        self.runtime.as_ref().expect("until dropped").spawn(work)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        self.pause.go();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// A store whose lease cannot be renewed from now on (an administrator holds its row `FOR NO
+/// KEY UPDATE`, which conflicts with renewal, and not with the writes' `FOR KEY SHARE`), and so
+/// whose local deadline passes. Roll the transaction back to let a release through.
+async fn block_renewal<'a>(
+    blocker: &'a mut tokio_postgres::Client,
+    table: &str,
+) -> tokio_postgres::Transaction<'a> {
+    common::lock_lease_row(blocker, table, "FOR NO KEY UPDATE").await
+}
+
+/// A store with a short local deadline (3 s; the TTL is long, so that only the local deadline
+/// matters), renewed often, on a fresh table with `k` = `first`, and closed [`Gates`].
+async fn deadline_gated_store(
+    prefix: &str,
+    write_concurrency: usize,
+) -> (String, PgKvStore, Gates) {
+    let t = table(prefix);
+    let store = builder(&t)
+        .pool_size(2)
+        .write_concurrency(write_concurrency)
+        .lease_ttl(Duration::from_secs(60))
+        .local_deadline(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .drop_timeout(Duration::from_secs(2))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let gates = Gates::closed(&t).await;
+    (t, store, gates)
+}
+
+/// A write's statement is sent and still unanswered when the local deadline passes, and
+/// `close()` (which gave up waiting for it) releases the lease right after the write saw the
+/// deadline pass and before it reported the loss: a window of a few instructions, held open
+/// here by pausing the write's task at its log event of that moment. The statement may still
+/// commit (it locked the lease row before the release; here it does), so the caller must get
+/// `LeaseLost` (`DeadlinePassed`), as without the close, not `Closed`, which reads as "not
+/// written".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_unanswered_at_the_deadline_as_close_releases_is_lease_lost_not_closed() {
+    let (t, store, gates) = deadline_gated_store("deadlineclose", 4).await;
+    let (pause, reached) = Pause::at(GAVE_UP_AT_THE_DEADLINE);
+    let paused = Paused::at(&pause);
+    let write = paused.spawn(store.write("r", "s", "k", b"gate1".to_vec()));
+    gates.wait_for(1, "").await; // Sent: it waits at gate 1, its lease row lock taken.
+
+    let mut blocker = admin().await;
+    let tx = block_renewal(&mut blocker, &t).await;
+    within("the write gives up at the deadline", reached).await.unwrap();
+    tx.rollback().await.unwrap();
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "released, the write ran: {closed:?}");
+    pause.go();
+    let outcome = within("the write", write).await.unwrap();
+
+    gates.open('1').await;
+    wait_for_value(&t, "k", b"gate1").await; // The statement commits.
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { reason: LossReason::DeadlinePassed, .. })),
+        "the write committed: its caller must not read `not written`: {outcome:?}"
+    );
 }
 
 /// A connection breaks while its write still runs on the server, and the store cannot end that
