@@ -526,9 +526,9 @@ const GAVE_UP_AT_THE_DEADLINE: &str =
     "pgfence gave up waiting for the server at the local deadline";
 
 /// A pause point in the store's code, for a window too narrow to hit otherwise: the first task
-/// that logs the event `message` stops inside that log call, and so at that point of the code,
-/// until the test lets it go (or [`HANG_GUARD`] passes). Only tasks of [`Paused`], a runtime of
-/// its own whose threads alone log to it, are paused: the other tests of this binary are not.
+/// of a [`Paused`] runtime that logs the error event `message` stops inside that log call, and
+/// so at that point of the code, until the test lets it go (or [`HANG_GUARD`] passes). Tasks of
+/// other runtimes (the other tests of this binary) are not paused.
 #[derive(Clone)]
 struct Pause(Arc<PauseState>);
 
@@ -536,6 +536,11 @@ struct PauseState {
     message: &'static str,
     reached: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
     go: (Mutex<bool>, Condvar),
+}
+
+thread_local! {
+    /// The pause point of the [`Paused`] runtime this thread belongs to, if any.
+    static PAUSE_HERE: std::cell::RefCell<Option<Pause>> = const { std::cell::RefCell::new(None) };
 }
 
 impl Pause {
@@ -555,9 +560,63 @@ impl Pause {
         *go.lock().unwrap() = true;
         cv.notify_all();
     }
+
+    /// On the thread logging `message`: stops there, the first time.
+    fn logged(&self, message: &str) {
+        if message != self.0.message {
+            return;
+        }
+        let Some(reached) = self.0.reached.lock().unwrap().take() else {
+            return; // Only the first task to get here stops.
+        };
+        let _ = reached.send(());
+        let (go, cv) = &self.0.go;
+        let _ = cv.wait_timeout_while(go.lock().unwrap(), HANG_GUARD, |go| !*go).unwrap();
+    }
 }
 
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Pause {
+/// The log subscriber of this test binary, global (a subscriber of the paused threads alone
+/// would not do: tracing caches whether a log call is wanted at all, in some cases by asking
+/// the subscriber of whichever thread makes that call first). It takes only the store's error
+/// events, and passes them to the pause point of the thread they are logged on.
+struct Pauses;
+
+impl Pauses {
+    fn install() {
+        static INSTALLED: std::sync::Once = std::sync::Once::new();
+        INSTALLED.call_once(|| {
+            let subscriber = tracing_subscriber::registry().with(Pauses);
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("the only log subscriber of this test binary");
+        });
+    }
+
+    fn wanted(metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.is_event()
+            && *metadata.level() == tracing::Level::ERROR
+            && metadata.target().starts_with("pgfence")
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Pauses {
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        match Pauses::wanted(metadata) {
+            true => tracing::subscriber::Interest::always(),
+            false => tracing::subscriber::Interest::never(),
+        }
+    }
+
+    fn enabled(
+        &self,
+        metadata: &tracing::Metadata<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        Pauses::wanted(metadata)
+    }
+
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         struct Message(String);
         impl tracing::field::Visit for Message {
@@ -567,17 +626,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Pause {
                 }
             }
         }
+        let Some(pause) = PAUSE_HERE.with(|here| here.borrow().clone()) else {
+            return;
+        };
         let mut message = Message(String::new());
         event.record(&mut message);
-        if message.0 != self.0.message {
-            return;
-        }
-        let Some(reached) = self.0.reached.lock().unwrap().take() else {
-            return; // Only the first task to get here stops.
-        };
-        let _ = reached.send(());
-        let (go, cv) = &self.0.go;
-        let _ = cv.wait_timeout_while(go.lock().unwrap(), HANG_GUARD, |go| !*go).unwrap();
+        pause.logged(&message.0);
     }
 }
 
@@ -590,14 +644,13 @@ struct Paused {
 
 impl Paused {
     fn at(pause: &Pause) -> Paused {
+        Pauses::install();
         let on_thread = pause.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .on_thread_start(move || {
-                let subscriber = tracing_subscriber::registry().with(on_thread.clone());
-                // For the thread's whole life: its tasks log to the pause point.
-                std::mem::forget(tracing::subscriber::set_default(subscriber));
+                PAUSE_HERE.with(|here| *here.borrow_mut() = Some(on_thread.clone()))
             })
             .build()
             .unwrap();
