@@ -20,7 +20,9 @@
 //! mutation, and one failing mutation cannot fail the others. A lost lease or a closed store
 //! fails each of them at once, before any SQL. A statement that may have committed (its
 //! connection broke after it was sent, and its retries did not settle it) is not run again:
-//! each caller gets `LeaseLost` with `WriteOutcomeUnknown`.
+//! each caller gets `LeaseLost` with `WriteOutcomeUnknown`; nor is one that failed with a lost
+//! lease (abandoned unanswered at the local deadline, say): each caller gets that `LeaseLost`,
+//! also if the store was closed meanwhile.
 
 use std::sync::Mutex;
 
@@ -181,17 +183,20 @@ impl Inner {
             tracing::warn!(error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
         }
-        // A statement that may have committed is not run again: each caller is told that its
-        // outcome is unknown (run alone after a close, it would get `Closed`, "not written").
-        let unknown = matches!(
-            &result,
-            Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })
-        );
+        // A lost lease is not run again either: each caller gets the same loss. Its statement
+        // may have committed (`WriteOutcomeUnknown`, or `DeadlinePassed` with the statement
+        // still unanswered), and run alone after a close() that released the lease meanwhile,
+        // each mutation would get `Closed`, "not written". (Run alone otherwise, each would
+        // fail at its lease check anyway.)
+        let lost = match &result {
+            Err(Error::LeaseLost { reason, .. }) => Some(reason),
+            _ => None,
+        };
         for Queued { mutation, done, .. } in group.drain(..) {
-            let outcome = match result {
-                Ok(()) => Outcome::Done(Ok(())),
-                Err(_) if unknown => Outcome::Done(Err(self.lease.fail_outcome_unknown())),
-                Err(_) => Outcome::Alone(mutation),
+            let outcome = match (&result, lost) {
+                (Ok(()), _) => Outcome::Done(Ok(())),
+                (Err(_), Some(reason)) => Outcome::Done(Err(self.lease.fail_sent(reason.clone()))),
+                (Err(_), None) => Outcome::Alone(mutation),
             };
             let _ = done.send(outcome);
         }

@@ -739,6 +739,47 @@ async fn write_unanswered_at_the_deadline_as_close_releases_is_lease_lost_not_cl
     );
 }
 
+/// The same for a shared statement (write coalescing). Its callers must not have their
+/// mutations handed back to run alone, which after the release fails them with `Closed`: each
+/// must get `LeaseLost` (`DeadlinePassed`), as without the close. (Here the statement commits
+/// both.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_writes_unanswered_at_the_deadline_as_close_releases_are_lease_lost_not_closed() {
+    let (t, store, gates) = deadline_gated_store("deadlinecloseco", 1).await;
+    let (pause, reached) = Pause::at(GAVE_UP_AT_THE_DEADLINE);
+    let paused = Paused::at(&pause);
+    // `w` holds the one statement (at gate 2) while `k` and `x` queue behind it; then the two
+    // share the next statement, which waits at gate 1 (for `k`'s value).
+    let first = tokio::spawn(store.write("r", "s", "w", b"gate2".to_vec()));
+    gates.wait_for(1, "").await;
+    let [k, x] = [("k", b"gate1"), ("x", b"xxxx1")]
+        .map(|(key, value)| paused.spawn(store.write("r", "s", key, value.to_vec())));
+    settle().await; // The queue is not visible on the server; checked below.
+    gates.open('2').await;
+    within("the first write", first).await.unwrap().unwrap();
+    gates.wait_for(1, "unnest").await; // Only the shared statement reads `unnest`.
+
+    let mut blocker = admin().await;
+    let tx = block_renewal(&mut blocker, &t).await;
+    within("the shared statement gives up at the deadline", reached).await.unwrap();
+    tx.rollback().await.unwrap();
+    let closed = within("close", store.close()).await;
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "released, the writes ran: {closed:?}");
+    pause.go();
+    let outcomes = [within("k", k).await, within("x", x).await];
+
+    gates.open('1').await;
+    wait_for_value(&t, "x", b"xxxx1").await; // The shared statement commits x (and k).
+    assert_eq!(value_of(&t, "k").await, b"gate1");
+    for outcome in outcomes {
+        let outcome = outcome.unwrap();
+        assert!(
+            matches!(outcome, Err(Error::LeaseLost { reason: LossReason::DeadlinePassed, .. })),
+            "each write committed: its caller must not read `not written`: {outcome:?}"
+        );
+    }
+}
+
 /// A connection breaks while its write still runs on the server, and the store cannot end that
 /// server process (EXECUTE on `pg_terminate_backend` was revoked after the store opened). The
 /// old statement may commit at any time, so the store fails closed (`WriteOutcomeUnknown`)
