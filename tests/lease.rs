@@ -515,6 +515,86 @@ async fn takeover_after_a_wait_at_the_fence_gets_a_whole_ttl() {
     second.close().await.unwrap();
 }
 
+/// "Fail closed", for each way a loss is found (a mutation refused by the database, renewal
+/// finding the lease taken, renewal not confirmed before the local deadline): every key
+/// operation (read, list, paginated list, list of all keys, write, remove, atomic batch)
+/// returns `LeaseLost` with that reason, `lease_state` reports it, and `lease_info` still
+/// answers. Permanently: not even a lease row handed back to this store (its owner id, a long
+/// expiry) lets anything through, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_operation_fails_closed_after_each_kind_of_loss() {
+    let checks = [LossReason::Fenced, LossReason::TakenOver, LossReason::DeadlinePassed]
+        .map(|reason| tokio::spawn(every_key_operation_fails_closed_after(reason)));
+    for check in checks {
+        check.await.unwrap();
+    }
+}
+
+async fn every_key_operation_fails_closed_after(reason: LossReason) {
+    let t = table("allops");
+    let builder = match reason {
+        // Renewal must not find the takeover before the write does: not due in the test's time.
+        LossReason::Fenced => {
+            builder(&t).lease_ttl(Duration::from_secs(90)).renew_interval(Duration::from_secs(45))
+        }
+        _ => builder(&t)
+            .lease_ttl(Duration::from_secs(60))
+            .local_deadline(Duration::from_secs(3))
+            .renew_interval(Duration::from_millis(500)),
+    };
+    let store = builder.open().await.unwrap();
+    store.write("a", "s", "k", b"v".to_vec()).await.unwrap();
+    let db = admin().await;
+    match reason {
+        LossReason::Fenced => {
+            steal_lease(&db, &t).await;
+            let e = store.write("a", "s", "k", b"stale".to_vec()).await.unwrap_err();
+            assert!(matches!(e, Error::LeaseLost { reason: LossReason::Fenced, .. }), "{e:?}");
+        }
+        LossReason::TakenOver => {
+            steal_lease(&db, &t).await;
+            common::wait_until_lost(&store).await;
+        }
+        _ => {
+            let mut blocker = admin().await;
+            let tx = common::lock_lease_row(&mut blocker, &t, "FOR NO KEY UPDATE").await;
+            common::wait_until_lost(&store).await;
+            tx.rollback().await.unwrap();
+        }
+    }
+    let lost = LeaseState::Lost { epoch: 1, reason: reason.clone() };
+    assert_eq!(*store.lease_state().borrow(), lost, "{reason:?}");
+
+    for round in ["after the loss", "with the lease row handed back"] {
+        let is_lost = |what: &str, e: Error| {
+            let expected = matches!(&e, Error::LeaseLost { epoch: 1, reason: r } if *r == reason);
+            assert!(expected, "{reason:?}, {round}: {what}: {e:?}");
+        };
+        is_lost("read", store.read("a", "s", "k").await.unwrap_err());
+        is_lost("list", store.list("a", "s").await.unwrap_err());
+        is_lost("list_paginated", store.list_paginated("a", "s", None).await.unwrap_err());
+        is_lost("list_all_keys", store.list_all_keys().await.unwrap_err());
+        is_lost("write", store.write("a", "s", "k", b"w".to_vec()).await.unwrap_err());
+        is_lost("write new", store.write("a", "s", "new", b"w".to_vec()).await.unwrap_err());
+        is_lost("remove", store.remove("a", "s", "k", false).await.unwrap_err());
+        let batch = store.batch().put("a", "s", "b", b"w".to_vec()).remove("a", "s", "k");
+        is_lost("batch", batch.commit().await.unwrap_err());
+        let info = store.lease_info().await.unwrap().expect("lease_info still answers");
+        assert_eq!(info.owner_id, lease_row(&db, &t).await.0, "{reason:?}, {round}");
+        // Hand the lease row back, as if this store held it: it must not recover.
+        let sql = format!(
+            "UPDATE {} SET owner_id = $1, epoch = 1,
+                    expires_at = clock_timestamp() + interval '1 hour'",
+            lease_table(&t)
+        );
+        db.execute(&sql, &[&store.owner_id()]).await.unwrap();
+    }
+    let rows = common::all_rows(&t).await;
+    assert_eq!(rows, [("k".to_owned(), b"v".to_vec())], "{reason:?}: nothing written");
+    assert_eq!(*store.lease_state().borrow(), lost);
+    store.close().await.unwrap();
+}
+
 /// Renewal blocked past the local deadline: the store fails closed while the database still
 /// shows the lease unexpired (the deadline comes first, by design).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
