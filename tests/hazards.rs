@@ -423,6 +423,37 @@ async fn write_retried_across_close_after_an_attempt_that_may_have_committed_is_
     assert_eq!(value_of(&t, "k").await, b"gate1");
 }
 
+/// A write's first attempt commits but its answer never arrives; before the retry runs,
+/// another store takes the lease over. The retry finds the lease gone and writes nothing. The
+/// caller must get `LeaseLost` with the reason the lease was lost (`Fenced`: the retry found
+/// it), not `Ok` and not an error that reads as "not written": the first attempt committed.
+/// (Renewal, which would find the takeover as `TakenOver`, is not due before the test ends.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_that_finds_the_lease_taken_over_reports_fenced() {
+    let (t, proxy, store, gates) = proxied_gated_store("retryfenced", |b| {
+        b.lease_ttl(Duration::from_secs(90)).renew_interval(Duration::from_secs(45))
+    })
+    .await;
+    let write = tokio::spawn(store.write("r", "s", "k", b"gate1".to_vec()));
+    gates.wait_for(1, "").await;
+    stall_statement_at_gate(&proxy, &t).await; // Its answer will never arrive.
+    let lock = commit_unanswered_and_hold_the_retry(&proxy, &gates, &t).await;
+
+    let db = admin().await;
+    assert_eq!(common::steal_lease(&db, &t).await, 2);
+    lock.release().await;
+    let outcome = within("the write", write).await.unwrap();
+
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { epoch: 1, reason: LossReason::Fenced })),
+        "the write committed: its caller must not read `not written`: {outcome:?}"
+    );
+    assert_eq!(value_of(&t, "k").await, b"gate1");
+    let lost = LeaseState::Lost { epoch: 1, reason: LossReason::Fenced };
+    assert_eq!(*store.lease_state().borrow(), lost);
+    store.close().await.unwrap();
+}
+
 /// The same for a shared statement (write coalescing): every caller in it is told that its
 /// outcome is unknown. Run again alone after the close, each would have got `Closed`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
