@@ -207,6 +207,21 @@ async fn queued_writes_fail_closed_when_the_lease_expires_meanwhile() {
     ));
 }
 
+/// Atomic batches do not queue for a statement: with the only single-key statement allowed
+/// stuck, a batch still commits at once, on its own connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atomic_batches_do_not_queue_behind_busy_statements() {
+    let table = common::table("coal_batch");
+    let store = open_serial(&table).await;
+    let stall = stall(&store, &table).await;
+    let batch = store.batch().put(NS, SUB, "b1", b"1".to_vec()).put(NS, SUB, "b2", b"2".to_vec());
+    within("the batch, beside the stuck statement", batch.commit()).await.unwrap();
+    assert!(!stall.first.is_finished(), "the single-key statement was still stuck");
+    assert_eq!(store.read(NS, SUB, "b2").await.unwrap(), b"2");
+    assert!(stall.release(Vec::new()).await.is_empty());
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_calls_keep_per_key_call_order() {
     let table = common::table("coal_ord");
