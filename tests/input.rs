@@ -80,6 +80,22 @@ async fn inconsistent_timings_and_sizes_are_rejected() {
     assert_eq!(tables_like(&t).await, 0, "nothing created");
 }
 
+/// The default `max_value_size` is 64 MiB: one byte more is refused (`ValueTooLarge`, naming
+/// that limit) before any statement runs, by `write` and by a batch's `put` alike, and nothing
+/// is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_max_value_size_is_64_mib() {
+    const MIB_64: usize = 64 << 20;
+    let store = builder(&table("defaultmax")).open().await.unwrap();
+    let e = store.write("v", "s", "k", vec![0; MIB_64 + 1]).await.unwrap_err();
+    assert!(matches!(e, Error::ValueTooLarge { len, max: MIB_64 } if len == MIB_64 + 1), "{e:?}");
+    let batch = store.batch().put("v", "s", "ok", b"small".to_vec());
+    let e = batch.put("v", "s", "k", vec![0; MIB_64 + 1]).commit().await.unwrap_err();
+    assert!(matches!(e, Error::ValueTooLarge { max: MIB_64, .. }), "{e:?}");
+    assert!(store.list("v", "s").await.unwrap().is_empty(), "nothing written");
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_large_value_is_rejected_and_nothing_written() {
     let store = builder(&table("big")).max_value_size(1024).open().await.unwrap();
