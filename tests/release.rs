@@ -178,6 +178,46 @@ async fn assert_released(t: &str) {
     assert!(expires_in_ms <= 0, "dropped store released its lease");
 }
 
+/// An outstanding write keeps the lease renewed after the last handle is dropped, not only
+/// held: one that waits (for a row lock) from the drop until well past the local deadline is
+/// renewed meanwhile (seen in the database), commits and returns `Ok`; the release follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outstanding_write_keeps_the_lease_renewed_past_the_local_deadline() {
+    let t = table("outlivedl");
+    let store = builder(&t)
+        .lease_ttl(Duration::from_secs(60))
+        .local_deadline(Duration::from_secs(2))
+        .renew_interval(Duration::from_millis(500))
+        .open()
+        .await
+        .unwrap();
+    let mut blocker = admin().await;
+    let (tx, write) = common::write_waiting_for_a_row_lock(&store, &t, &mut blocker).await;
+    drop(store);
+
+    let db = admin().await;
+    let expiry =
+        format!("SELECT extract(epoch FROM expires_at)::float8 FROM {}", common::lease_table(&t));
+    let at_drop: f64 = db.query_one(&expiry, &[]).await.unwrap().get(0);
+    within("renewals for twice the local deadline after the drop", async {
+        while db.query_one(&expiry, &[]).await.unwrap().get::<_, f64>(0) < at_drop + 4.0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(!write.is_finished(), "the write still waits for the row lock");
+    tx.rollback().await.unwrap();
+    within("the outstanding write", write).await.unwrap().expect("committed under the lease");
+    let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+    assert_eq!(db.query_one(&sql, &[]).await.unwrap().get::<_, Vec<u8>>(0), b"in-flight");
+    within("the release after the last future", async {
+        while lease_row(&db, &t).await.2 > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_inside_multi_thread_runtime_is_bounded() {
     let t = table("dropmt");
