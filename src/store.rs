@@ -579,8 +579,9 @@ impl Inner {
     /// An attempt still unanswered at the local deadline (as the renewal thread reports it,
     /// within about a second) is abandoned: the store fails closed
     /// (`DeadlinePassed`) and the caller learns that at once, whether the server is hung or
-    /// the network holds the connection open without passing data; the connection is closed
-    /// rather than handed back to the pool.
+    /// the network holds the connection open without passing data (a mutation sent gets
+    /// `LeaseLost` even if `close()` released the lease right after the deadline was seen);
+    /// the connection is closed rather than handed back to the pool.
     ///
     /// A mutation that ends in an error after such an attempt may have committed all the same.
     /// Its callers' turns would then be released as not applied, and an earlier call of the
