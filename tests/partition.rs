@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use common::{HANG_GUARD, admin, server, table, within};
 use pgfence::testing::Proxy;
-use pgfence::{Error, LeaseState, LossReason, PgKvStore};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore, StandbyState};
 use tokio::runtime::Runtime;
 
 const TTL: Duration = Duration::from_secs(2);
@@ -341,6 +341,46 @@ fn partitioned_briefly_the_holder_keeps_its_lease_and_every_write() {
         assert!(matches!(*state.borrow_and_update(), LeaseState::Held { epoch: 1, .. }));
         let holder = far.spawn(async move { holder.close().await }).await.unwrap();
         holder.unwrap();
+    });
+}
+
+/// A standby cut off while it waits misses the holder's release notification, and takes over
+/// soon after the network heals, not after the holder's whole TTL (README, "Failover"). The
+/// cut lasts long enough for the standby's LISTEN connection to end (about a TTL of silence
+/// and an unanswered keepalive, or an unanswered liveness check), so the notification is gone
+/// with it, not merely late; the standby polls meanwhile and reconnects.
+#[test]
+fn partitioned_standby_takes_over_soon_after_the_network_heals() {
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy =
+            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let t = table("partsb");
+        let holder_ttl = Duration::from_secs(60);
+        let holder = common::builder(&t).lease_ttl(holder_ttl).open().await.unwrap();
+        let standby = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(TTL)
+            .standby();
+        let mut progress = standby.progress();
+        let waiting = far.spawn(standby.open());
+        within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+            .await
+            .unwrap();
+
+        net.wait_until_all_sent();
+        net.cut();
+        holder.close().await.unwrap(); // Its notification cannot reach the standby.
+        tokio::time::sleep(TTL * 3).await;
+        net.heal();
+        let healed = Instant::now();
+        let store = within("the standby takes over", waiting).await.unwrap().unwrap();
+        let took = healed.elapsed();
+        println!("took over {took:?} after the network healed (holder's TTL {holder_ttl:?})");
+        assert!(took < holder_ttl / 4, "not by the holder's expiry: {took:?}");
+        assert_eq!(store.fencing_token(), 2);
+        far.spawn(async move { store.close().await }).await.unwrap().unwrap();
     });
 }
 
