@@ -188,41 +188,37 @@ async fn dropping_the_standby_future_leaves_nothing_running() {
     active.close().await.unwrap();
 }
 
-/// The same for a plain `open()`: its future dropped (as a `timeout` does) while its setup
-/// waits at the fence for the expired holder's in-flight write. The setup is cancelled (its
-/// session goes), and it never takes the lease later: the next store to open gets epoch 2.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn open_dropped_at_the_fence_never_takes_the_lease_later() {
-    let t = table("openfence");
-    let active = standby_builder(&t, "active").open().await.unwrap();
-    let mut blocker = admin().await;
-    let (tx, write) = common::write_in_flight_on_an_expired_lease(&active, &t, &mut blocker).await;
-
-    let app = format!("op-{t}");
-    let attempt = tokio::spawn(standby_builder(&t, &app).open());
-    common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
-    drop_and_wait_until_gone(attempt, &app).await;
-
-    tx.commit().await.unwrap();
-    within("the in-flight write", write).await.unwrap().expect("the fenced write commits");
-    let next = standby_builder(&t, "next").open().await.expect("the lease is free");
-    assert_eq!(next.fencing_token(), 2);
-    next.close().await.unwrap();
-}
-
 /// A standby whose future is dropped (as its `timeout` does) in the middle of an acquisition,
 /// here waiting at the fence for the expired holder's in-flight write, leaves nothing behind:
 /// the attempt's statement is cancelled (its session goes), and it never takes the lease later,
 /// when the write has finished. The next store to open gets epoch 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_dropped_mid_acquisition_never_takes_the_lease_later() {
-    let t = table("sbfence");
+    dropped_at_the_fence_never_takes_the_lease_later("sbfence", |b| {
+        tokio::spawn(b.standby().open())
+    })
+    .await;
+}
+
+/// The same for a plain `open()`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_dropped_at_the_fence_never_takes_the_lease_later() {
+    dropped_at_the_fence_never_takes_the_lease_later("openfence", |b| tokio::spawn(b.open())).await;
+}
+
+/// Starts an acquisition with `open` on a table whose expired holder has a write in flight,
+/// drops it while it waits at the fence, and checks that it never takes the lease later.
+async fn dropped_at_the_fence_never_takes_the_lease_later(
+    prefix: &str,
+    open: impl FnOnce(pgfence::Builder) -> JoinHandle<pgfence::Result<PgKvStore>>,
+) {
+    let t = table(prefix);
     let active = standby_builder(&t, "active").open().await.unwrap();
     let mut blocker = admin().await;
     let (tx, write) = common::write_in_flight_on_an_expired_lease(&active, &t, &mut blocker).await;
 
-    let app = format!("sb-{t}");
-    let attempt = tokio::spawn(standby_builder(&t, &app).standby().open());
+    let app = format!("drop-{t}");
+    let attempt = open(standby_builder(&t, &app));
     common::wait_for_query_lock_wait(&format!("%INSERT INTO {}%", lease_table(&t))).await;
     drop_and_wait_until_gone(attempt, &app).await;
 

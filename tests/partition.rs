@@ -52,8 +52,7 @@ fn partitioned_connection_fails_after_the_tcp_user_timeout_unless_one_is_set() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partuto");
         common::open(&t).await.close().await.unwrap();
         let mut patient_config = server().config_via(proxy.addr());
@@ -111,8 +110,7 @@ fn partitioned_holder_s_write_delivered_after_a_takeover_does_not_commit() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partlate");
         let mut config = server().config_via(proxy.addr());
         config.tcp_user_timeout(Duration::from_secs(600));
@@ -199,8 +197,7 @@ fn partitioned_setup_holds_up_other_opens_for_at_most_about_one_ttl() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partsetup");
         common::open(&t).await.close().await.unwrap();
         let mut admin = admin().await;
@@ -212,11 +209,7 @@ fn partitioned_setup_holds_up_other_opens_for_at_most_about_one_ttl() {
         .await
         .unwrap();
         let app = format!("cut-{t}");
-        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-            .table(&t)
-            .lease_ttl(TTL)
-            .application_name(&app)
-            .open();
+        let opening = far_builder(&proxy, &t).application_name(&app).open();
         let cut_off = far.spawn(opening);
         common::wait_for_app_lock_wait(&app).await;
         // Nothing of the store's unacknowledged when the cut comes (its statement's last bytes
@@ -253,13 +246,9 @@ fn partitioned_holder_s_connections_all_end_after_the_loss() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partgone");
-        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-            .table(&t)
-            .lease_ttl(TTL)
-            .open();
+        let opening = far_builder(&proxy, &t).open();
         let holder = within("holder opens", far.spawn(opening)).await.unwrap().unwrap();
         let holder = far
             .spawn(async move {
@@ -298,13 +287,11 @@ fn partitioned_briefly_the_holder_keeps_its_lease_and_every_write() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partbrief");
         // A generous deadline (20 s) against a 3 s partition: TCP's retransmission backoff
         // delivers what waited within a few seconds of the heal.
-        let opening = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-            .table(&t)
+        let opening = far_builder(&proxy, &t)
             .lease_ttl(Duration::from_secs(30))
             .renew_interval(Duration::from_secs(1))
             .open();
@@ -354,15 +341,11 @@ fn partitioned_standby_takes_over_soon_after_the_network_heals() {
     let net = Network::create();
     let far = net.runtime();
     near().block_on(async {
-        let proxy =
-            Proxy::start_on(net.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap();
+        let proxy = net.proxy().await;
         let t = table("partsb");
         let holder_ttl = Duration::from_secs(60);
         let holder = common::builder(&t).lease_ttl(holder_ttl).open().await.unwrap();
-        let standby = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
-            .table(&t)
-            .lease_ttl(TTL)
-            .standby();
+        let standby = far_builder(&proxy, &t).standby();
         let mut progress = standby.progress();
         let waiting = far.spawn(standby.open());
         within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
@@ -382,6 +365,11 @@ fn partitioned_standby_takes_over_soon_after_the_network_heals() {
         assert_eq!(store.fencing_token(), 2);
         far.spawn(async move { store.close().await }).await.unwrap().unwrap();
     });
+}
+
+/// A builder of a store on the far side, through `proxy`, with the tests' TTL.
+fn far_builder(proxy: &Proxy, table: &str) -> pgfence::Builder {
+    PgKvStore::builder_from_config(server().config_via(proxy.addr())).table(table).lease_ttl(TTL)
 }
 
 /// The runtime of the test itself, on the server's side of the network.
@@ -449,6 +437,11 @@ impl Network {
         let forward = "echo 1 > /proc/sys/net/ipv4/ip_forward";
         run(&["ip", "netns", "exec", router, "sh", "-c", forward]).unwrap();
         net
+    }
+
+    /// A proxy on this side of the router, to the test server: the far side's way to it.
+    async fn proxy(&self) -> Proxy {
+        Proxy::start_on(self.host_ip.into(), server().tcp_addr().unwrap()).await.unwrap()
     }
 
     /// A runtime whose threads are in the far namespace.
