@@ -5,9 +5,9 @@
 //! drops the traffic. (The proxy of the other tests closes its sockets or holds data back in
 //! user space, where the kernel has already acknowledged it.)
 //!
-//! Needs root (creating a network namespace needs `CAP_NET_ADMIN`; CI runs as root) and
-//! iproute2's `ip`. As another user these tests fail, saying so; to leave them out, run
-//! `cargo test --all-features -- --skip partitioned_`.
+//! Needs root (creating a network namespace needs `CAP_NET_ADMIN`; CI runs as root),
+//! iproute2's `ip` and `ss`, and util-linux's `nsenter`. As another user these tests fail,
+//! saying so; to leave them out, run `cargo test --all-features -- --skip partitioned_`.
 //!
 //! Each test's store runs on a runtime whose threads are in the far namespace (threads they
 //! start, such as the renewal thread, inherit it). It reaches the server through a proxy
@@ -415,27 +415,29 @@ impl Network {
             );
         }
         // From here on, dropping `net` cleans up.
-        let (far, router, host_if) = (&net.far, &net.router, &net.host_if);
-        for command in [
-            format!("ip netns add {router}"),
-            format!("ip link add {host_if} type veth peer name toroot netns {router}"),
-            format!("ip addr add {}/30 dev {host_if}", ip(1)),
-            format!("ip link set {host_if} up"),
-            format!("ip -n {router} addr add {}/30 dev toroot", ip(2)),
-            format!("ip -n {router} link set toroot up"),
-            format!("ip -n {router} link add toclient type veth peer name far netns {far}"),
-            format!("ip -n {router} addr add {}/30 dev toclient", ip(5)),
-            format!("ip -n {router} link set toclient up"),
-            format!("ip -n {far} addr add {}/30 dev far", ip(6)),
-            format!("ip -n {far} link set far up"),
-            format!("ip -n {far} link set lo up"),
-            format!("ip -n {far} route add default via {}", ip(5)),
-            format!("ip route add {}/30 via {}", ip(4), ip(2)),
+        let host_if = &net.host_if;
+        let (host, router, far) = (None, Some(net.router.as_str()), Some(net.far.as_str()));
+        for (namespace, command) in [
+            (host, format!("netns add {}", net.router)),
+            (host, format!("link add {host_if} type veth peer name toroot netns {}", net.router)),
+            (host, format!("addr add {}/30 dev {host_if}", ip(1))),
+            (host, format!("link set {host_if} up")),
+            (router, format!("addr add {}/30 dev toroot", ip(2))),
+            (router, "link set toroot up".to_owned()),
+            (router, format!("link add toclient type veth peer name far netns {}", net.far)),
+            (router, format!("addr add {}/30 dev toclient", ip(5))),
+            (router, "link set toclient up".to_owned()),
+            (far, format!("addr add {}/30 dev far", ip(6))),
+            (far, "link set far up".to_owned()),
+            (far, "link set lo up".to_owned()),
+            (far, format!("route add default via {}", ip(5))),
+            (host, format!("route add {}/30 via {}", ip(4), ip(2))),
         ] {
-            run(&command.split(' ').collect::<Vec<_>>()).unwrap();
+            let args: Vec<&str> = command.split(' ').collect();
+            run(&in_namespace(namespace, &[&["ip"], &args[..]].concat())).unwrap();
         }
-        let forward = "echo 1 > /proc/sys/net/ipv4/ip_forward";
-        run(&["ip", "netns", "exec", router, "sh", "-c", forward]).unwrap();
+        let forward = ["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"];
+        run(&in_namespace(router, &forward)).unwrap();
         net
     }
 
@@ -476,8 +478,9 @@ impl Network {
     /// `ss` of the far namespace's established TCP connections: Recv-Q, Send-Q, local and peer
     /// address, one line each.
     fn sockets(&self) -> String {
-        let sockets = ["ip", "netns", "exec", &self.far, "ss", "-tnH", "state", "established"];
-        let output = Command::new(sockets[0]).args(&sockets[1..]).output().unwrap();
+        let ss = ["ss", "-tnH", "state", "established"];
+        let sockets = in_namespace(Some(&self.far), &ss);
+        let output = Command::new(&sockets[0]).args(&sockets[1..]).output().unwrap();
         assert!(output.status.success(), "{sockets:?}: {output:?}");
         String::from_utf8(output.stdout).unwrap()
     }
@@ -499,14 +502,14 @@ impl Network {
     fn cut(&self) {
         for link in ["toroot", "toclient"] {
             let rule = ["rule", "add", "pref", "10", "iif", link, "blackhole"];
-            run(&[&["ip", "-n", &self.router], &rule[..]].concat()).unwrap();
+            run(&in_namespace(Some(&self.router), &[&["ip"], &rule[..]].concat())).unwrap();
         }
     }
 
     fn heal(&self) {
         for link in ["toroot", "toclient"] {
             let rule = ["rule", "del", "pref", "10", "iif", link, "blackhole"];
-            run(&[&["ip", "-n", &self.router], &rule[..]].concat()).unwrap();
+            run(&in_namespace(Some(&self.router), &[&["ip"], &rule[..]].concat())).unwrap();
         }
     }
 }
@@ -524,7 +527,16 @@ impl Drop for Network {
     }
 }
 
-fn run(args: &[&str]) -> Result<(), String> {
+/// `command` to run in the network namespace `namespace` (`None`: this one). `nsenter` enters
+/// only the network namespace, where `ip -n` and `ip netns exec` also remount `/sys` in a mount
+/// namespace of their own, which fails in a chroot.
+fn in_namespace(namespace: Option<&str>, command: &[&str]) -> Vec<String> {
+    let enter = namespace.map(|ns| ["nsenter".to_owned(), format!("--net=/run/netns/{ns}")]);
+    enter.into_iter().flatten().chain(command.iter().map(|&arg| arg.to_owned())).collect()
+}
+
+fn run<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
     let output = Command::new(args[0])
         .args(&args[1..])
         .output()
