@@ -231,6 +231,58 @@ async fn dropped_at_the_fence_never_takes_the_lease_later(
     next.close().await.unwrap();
 }
 
+/// README, `open()`: "Dropping the `open()` future (or a standby's `timeout`) cancels a setup
+/// still waiting (for the setup lock, or at the fence for the old holder's writes) and commits
+/// nothing, so an abandoned attempt never takes the lease later." Here the setup waits for the
+/// setup lock, which an administrator's transaction holds as a concurrent `open()` would: the
+/// attempt dropped there leaves no session behind, and once the lock is free, the next store
+/// to open finds the lease free and gets epoch 2 (an abandoned attempt still waiting would
+/// have been granted the lock first and taken epoch 2 itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_dropped_waiting_for_the_setup_lock_never_takes_the_lease_later() {
+    dropped_waiting_for_the_setup_lock_never_takes_the_lease_later("openlock", |b| {
+        tokio::spawn(b.open())
+    })
+    .await;
+}
+
+/// The same for a standby, whose future is dropped while its acquisition waits for the setup
+/// lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_dropped_waiting_for_the_setup_lock_never_takes_the_lease_later() {
+    dropped_waiting_for_the_setup_lock_never_takes_the_lease_later("sblock", |b| {
+        tokio::spawn(b.standby().open())
+    })
+    .await;
+}
+
+/// Starts an acquisition with `open` on a table whose lease is free (epoch 1) while another
+/// transaction holds the table's setup lock, drops it while the server shows it waiting for
+/// that lock, and checks that it never takes the lease later.
+async fn dropped_waiting_for_the_setup_lock_never_takes_the_lease_later(
+    prefix: &str,
+    open: impl FnOnce(pgfence::Builder) -> JoinHandle<pgfence::Result<PgKvStore>>,
+) {
+    let t = table(prefix);
+    standby_builder(&t, "first").open().await.unwrap().close().await.unwrap();
+    let mut locker = admin().await;
+    let tx = common::hold_setup_lock(&mut locker, &t).await;
+
+    let app = format!("drop-{t}");
+    let attempt = open(standby_builder(&t, &app));
+    let waiting = "SELECT 1 FROM pg_stat_activity
+                    WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'
+                      AND application_name = $1";
+    let name = format!("pgfence {app}");
+    common::wait_for_row("the setup waiting for the setup lock", waiting, &[&name]).await;
+    drop_and_wait_until_gone(attempt, &app).await;
+
+    tx.commit().await.unwrap();
+    let next = standby_builder(&t, "next").open().await.expect("the lease is free");
+    assert_eq!(next.fencing_token(), 2);
+    next.close().await.unwrap();
+}
+
 /// An `open()` abandoned while it waits for a connection of the application's pool
 /// (`builder_from_pool`) gets the connection later, sees its caller gone, cancels its setup and
 /// closes that connection instead of handing it back: the cancel request can land late, and

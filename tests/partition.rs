@@ -33,9 +33,6 @@ use tokio::runtime::Runtime;
 
 const TTL: Duration = Duration::from_secs(2);
 
-/// The class key of the store's setup lock (`sql::SETUP_LOCK_CLASS`, "pgfe").
-const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
-
 /// Every connection gets a TCP user timeout of one TTL unless the caller set one (README,
 /// "Connections"), "so a partition fails a statement instead of hanging it for many minutes".
 /// Behind a real partition the kernel ends a pooled connection with a query in flight no
@@ -201,13 +198,7 @@ fn partitioned_setup_holds_up_other_opens_for_at_most_about_one_ttl() {
         let t = table("partsetup");
         common::open(&t).await.close().await.unwrap();
         let mut admin = admin().await;
-        let tx = admin.transaction().await.unwrap();
-        tx.execute(
-            "SELECT pg_advisory_xact_lock($1, hashtext('public.' || $2))",
-            &[&SETUP_LOCK_CLASS, &t],
-        )
-        .await
-        .unwrap();
+        let tx = common::hold_setup_lock(&mut admin, &t).await;
         let app = format!("cut-{t}");
         let opening = far_builder(&proxy, &t).application_name(&app).open();
         let cut_off = far.spawn(opening);

@@ -156,6 +156,20 @@ pub async fn wait_until_no_sessions(app: &str) {
     .await
 }
 
+/// The class key of the store's setup lock (`sql::SETUP_LOCK_CLASS`, "pgfe").
+pub const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
+
+/// Begins a transaction on `client` that holds the setup lock of the unqualified table `table`
+/// (resolved in `public`, as the store's `sql::SETUP_LOCK` resolves it), as a concurrent
+/// `open()` of it does: every `open()` of the table waits for it until the transaction ends.
+pub async fn hold_setup_lock<'a>(
+    client: &'a mut tokio_postgres::Client,
+    table: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let sql = "SELECT pg_advisory_xact_lock($1, hashtext('public.' || $2))";
+    lock_row(client, sql, &[&SETUP_LOCK_CLASS, &table]).await
+}
+
 /// Begins a transaction on `client` that holds the row of `key` in `table` `FOR UPDATE`, so
 /// that a write of that key blocks inside its statement, after its lease check. Roll it back
 /// or commit it to let go.
@@ -168,7 +182,7 @@ pub async fn lock_key_row<'a>(
     lock_row(client, &sql, &[&key]).await
 }
 
-/// Runs `sql` (which locks one row) in a transaction that it leaves open.
+/// Runs `sql` (which takes a lock and returns one row) in a transaction that it leaves open.
 async fn lock_row<'a>(
     client: &'a mut tokio_postgres::Client,
     sql: &str,
