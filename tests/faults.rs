@@ -314,6 +314,66 @@ async fn a_setup_commit_whose_answer_is_lost_leaves_no_lease_behind() {
     next.close().await.unwrap();
 }
 
+/// README, `open()`: "Dropping the `open()` future [...] cancels a setup still waiting [...];
+/// one whose commit was already sent opens the store, which is then dropped and releases the
+/// lease." The commit is held on the server (it waits for a synchronous standby that does not
+/// exist, committed locally) while the caller drops the `open()` future; then the wait is lifted (`synchronous_standby_names` emptied, which
+/// releases every waiting commit), the commit is answered, and the store that nobody waits for
+/// is built and dropped: its lease is released (long before its TTL), its sessions end, and the
+/// next store opens at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_dropped_after_its_commit_was_sent_releases_the_lease() {
+    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let open = |app: &str| {
+        PgKvStore::builder_from_config(cluster.config())
+            .table("kv")
+            .pool_size(2)
+            .lease_ttl(Duration::from_secs(120)) // Beyond HANG_GUARD: no expiry in this test.
+            .application_name(app)
+            .open()
+    };
+    open("first").await.unwrap().close().await.unwrap(); // Tables made, lease free (epoch 1).
+
+    set_synchronous_standby_names(&cluster, "nobody").await;
+    let opening = tokio::spawn(open("dropped"));
+    let db = cluster.connect().await.unwrap();
+    let commit_waiting = "SELECT 1 FROM pg_stat_activity
+                           WHERE wait_event = 'SyncRep' AND application_name = 'pgfence dropped'";
+    within("the setup's commit waiting", async {
+        while db.query(commit_waiting, &[]).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    opening.abort(); // The caller gives up, its commit sent.
+    assert!(opening.await.unwrap_err().is_cancelled());
+
+    set_synchronous_standby_names(&cluster, "").await;
+    let lease = "SELECT epoch, expires_at <= clock_timestamp() FROM kv_lease";
+    within("the dropped store's lease released", async {
+        loop {
+            let row = db.query_one(lease, &[]).await.unwrap();
+            if (row.get::<_, i64>(0), row.get::<_, bool>(1)) == (2, true) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let sessions =
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgfence dropped'";
+    within("the dropped store's sessions gone", async {
+        while db.query_one(sessions, &[]).await.unwrap().get::<_, i64>(0) > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+
+    let next = within("the next open", open("next")).await.expect("the lease was released");
+    assert_eq!(next.fencing_token(), 3);
+    next.close().await.unwrap();
+}
+
 /// Sets `synchronous_standby_names` and returns once the server has reloaded it: a new session
 /// sees it, so every existing one has been signalled and applies it before its next statement.
 async fn set_synchronous_standby_names(cluster: &pgfence::testing::TestCluster, names: &str) {
