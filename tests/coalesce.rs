@@ -259,6 +259,38 @@ async fn coalesced_calls_keep_per_key_call_order() {
     store.close().await.unwrap();
 }
 
+/// README, "Many concurrent writes": "the next statement to start takes the oldest queued
+/// [...], sorted by key, as one fenced batch statement". Observable in the rows it creates:
+/// the batch statement inserts its rows in the order of its arrays, and each new row takes the
+/// next value of the table's creation sequence (`created_seq`, which orders
+/// `list_paginated`). Five new keys called in descending order share one statement, and their
+/// creation order is the keys' order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_statement_writes_its_mutations_in_key_order() {
+    let table = common::table("coal_sort");
+    let store = open_serial(&table).await;
+    let stall = stall(&store, &table).await;
+    let called = ["k4", "k3", "k2", "k1", "k0"];
+    let queued = called.map(|key| tokio::spawn(store.write(NS, SUB, key, key.as_bytes().to_vec())));
+    for result in stall.release(queued.into()).await {
+        result.unwrap();
+    }
+    let rows = writers_of(&table).await;
+    let xmins: Vec<&String> = called.iter().map(|key| &rows[*key]).collect();
+    assert!(xmins.iter().all(|x| *x == xmins[0]), "one statement wrote all five: {xmins:?}");
+    let sql = format!("SELECT key FROM \"{table}\" WHERE key <> 'blocker' ORDER BY created_seq");
+    let created: Vec<String> = common::admin()
+        .await
+        .query(&sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(created, ["k0", "k1", "k2", "k3", "k4"], "created in key order, not call order");
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_write_concurrency_is_refused() {
     let err = common::builder(&common::table("coal_cfg")).write_concurrency(0).open().await;
