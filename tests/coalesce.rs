@@ -291,6 +291,76 @@ async fn a_shared_statement_writes_its_mutations_in_key_order() {
     store.close().await.unwrap();
 }
 
+/// README, "Connections": "A write whose shared statement (see "Many concurrent writes") is
+/// cancelled this way runs again on its own, so it can be cancelled twice before its caller
+/// gets the error." With `statement_timeout` in the connection's options, a write whose
+/// statement sleeps (a trigger, for the key `slow` only) shares a statement with two others;
+/// PostgreSQL cancels that statement, each of the three runs again on its own, the two others
+/// commit, and `slow` is cancelled a second time, alone, before its caller gets the
+/// cancellation. The trigger counts its runs in sequences (which a rollback does not undo),
+/// one for the shared statement (the batch, with `unnest`) and one for the write's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_a_cancelled_shared_statement_is_cancelled_again_alone() {
+    let table = common::table("coal_cancel");
+    let mut config = common::server().config();
+    // Longer than the stall below needs to queue its writes; short enough to wait out twice.
+    config.options("-c statement_timeout=3000");
+    let store = PgKvStore::builder_from_config(config)
+        .table(&table)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(15))
+        .renew_interval(Duration::from_secs(3))
+        .write_concurrency(1)
+        .open()
+        .await
+        .unwrap();
+    common::admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE SEQUENCE \"{table}_shared\"; CREATE SEQUENCE \"{table}_alone\";
+             CREATE FUNCTION \"{table}_slow\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.key = 'slow' THEN
+                     IF current_query() LIKE '%unnest%' THEN
+                         PERFORM nextval('\"{table}_shared\"');
+                     ELSE
+                         PERFORM nextval('\"{table}_alone\"');
+                     END IF;
+                     PERFORM pg_sleep(60);
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_slow\"();"
+        ))
+        .await
+        .unwrap();
+
+    let stall = stall(&store, &table).await;
+    let queued = ["a", "slow", "z"]
+        .map(|key| tokio::spawn(store.write(NS, SUB, key, key.as_bytes().to_vec())));
+    let [a, slow, z] =
+        <[_; 3]>::try_from(stall.release(queued.into()).await).expect("three results");
+    a.unwrap();
+    z.unwrap();
+    let e = slow.unwrap_err();
+    let canceled = matches!(&e, Error::Database { source, .. }
+        if source.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED));
+    assert!(canceled, "the caller gets the cancellation: {e:?}");
+
+    let runs = format!(
+        "SELECT (SELECT last_value FROM \"{table}_shared\" WHERE is_called),
+                (SELECT last_value FROM \"{table}_alone\" WHERE is_called)"
+    );
+    let row = common::admin().await.query_one(&runs, &[]).await.unwrap();
+    let (shared, alone): (Option<i64>, Option<i64>) = (row.get(0), row.get(1));
+    assert_eq!((shared, alone), (Some(1), Some(1)), "cancelled once shared, once alone");
+    assert_eq!(store.read(NS, SUB, "a").await.unwrap(), b"a");
+    assert!(store.read(NS, SUB, "slow").await.unwrap_err().is_not_found());
+    assert!(matches!(*store.lease_state().borrow(), pgfence::LeaseState::Held { .. }));
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_write_concurrency_is_refused() {
     let err = common::builder(&common::table("coal_cfg")).write_concurrency(0).open().await;
