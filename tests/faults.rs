@@ -270,6 +270,72 @@ async fn retries_ending_in_an_error_after_a_possible_commit_fail_closed() {
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
 
+/// README, "A broken connection mid-write": "Retries, and the wait for the old process, go on
+/// while the lease is locally valid, for at most one TTL". Every attempt of a write loses its
+/// connection mid-statement (a trigger ends its own session, before anything commits), while
+/// renewal, on a connection of its own, keeps the lease valid. The trigger stamps each attempt
+/// by the database clock in sequences (a rollback does not undo them): the attempts go on for
+/// most of a TTL, and the last one starts no later than one TTL after the first (plus the time
+/// the last one takes to connect and send its statement: a generous second here). Then the
+/// store fails closed, since for all it knows an attempt committed: `WriteOutcomeUnknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_after_broken_connections_go_on_for_at_most_one_ttl() {
+    const TTL: Duration = Duration::from_secs(6);
+    let t = table("retry_ttl");
+    let store = builder(&t).lease_ttl(TTL).renew_interval(Duration::from_secs(1)).open().await;
+    let store = store.unwrap();
+    store.write("r", "s", "k", b"before".to_vec()).await.unwrap();
+    let db = admin().await;
+    db.batch_execute(&format!(
+        "CREATE SEQUENCE \"{t}_runs\";
+         CREATE SEQUENCE \"{t}_first\";
+         CREATE SEQUENCE \"{t}_last\";
+         CREATE FUNCTION \"{t}_doomed\"() RETURNS trigger LANGUAGE plpgsql AS $$
+         DECLARE
+             now_ms bigint := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+         BEGIN
+             IF NEW.value = 'doomed'::bytea THEN
+                 IF nextval('\"{t}_runs\"') = 1 THEN
+                     PERFORM setval('\"{t}_first\"', now_ms);
+                 END IF;
+                 PERFORM setval('\"{t}_last\"', now_ms);
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+                 PERFORM pg_sleep(60); -- Ends at once, with the session.
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER doomed BEFORE INSERT ON \"{t}\"
+             FOR EACH ROW EXECUTE FUNCTION \"{t}_doomed\"();"
+    ))
+    .await
+    .unwrap();
+
+    let e = within("the doomed write", store.write("r", "s", "k", b"doomed".to_vec()))
+        .await
+        .unwrap_err();
+    let unknown = LossReason::WriteOutcomeUnknown;
+    assert!(matches!(&e, Error::LeaseLost { reason, .. } if *reason == unknown), "{e:?}");
+
+    let stamps = format!(
+        "SELECT (SELECT last_value FROM \"{t}_runs\"), (SELECT last_value FROM \"{t}_first\"),
+                (SELECT last_value FROM \"{t}_last\")"
+    );
+    let row = db.query_one(&stamps, &[]).await.unwrap();
+    let (runs, first, last): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let span = Duration::from_millis(u64::try_from(last - first).unwrap());
+    println!("{runs} attempts over {span:?} (TTL {TTL:?})");
+    assert!(runs >= 3, "retried: {runs} attempts");
+    assert!(span >= TTL / 2, "the retries go on for most of a TTL: {span:?}");
+    assert!(span <= TTL + Duration::from_secs(1), "and stop within one TTL: {span:?}");
+    let value: Vec<u8> = db
+        .query_one(&format!("SELECT value FROM \"{t}\" WHERE key = 'k'"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(value, b"before", "no attempt committed");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
+}
+
 /// The setup's commit takes the lease on the server, but its answer is lost with the
 /// connection (here the server waits for a synchronous standby that does not exist, and that
 /// wait is ended by terminating the session: PostgreSQL has committed locally by then).
