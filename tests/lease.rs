@@ -626,7 +626,8 @@ async fn blocked_renewal_fails_closed_before_database_expiry() {
     assert!(store.read("d", "s", "k").await.unwrap_err().is_lease_lost());
 }
 
-/// A holder of `t` that connects through a proxy (TTL and local deadline in seconds), then
+/// A holder of `t` (also its application name) that connects through a proxy (TTL and local
+/// deadline in seconds), then
 /// is cut off from the database (every connection cut, new ones refused) until it has lost its
 /// lease at the local deadline. The proxy, the holder and its state then.
 async fn cut_off_until_lost(
@@ -638,6 +639,7 @@ async fn cut_off_until_lost(
     let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
     let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
         .table(t)
+        .application_name(t)
         .pool_size(2)
         .lease_ttl(Duration::from_secs(ttl))
         .local_deadline(Duration::from_secs(local_deadline))
@@ -740,6 +742,114 @@ async fn lost_lease_is_only_released_never_renewed() {
     .await;
     assert_eq!(*holder.lease_state().borrow(), lost, "the loss stays published");
     holder.close().await.expect("the lost lease was released");
+}
+
+/// What the renewal thread logs when it stops retrying the release of a lost lease.
+const RELEASE_STOPPED: &str =
+    "pgfence lease release kept failing until the lease's database expiry; stopped trying";
+
+/// README, "Renewal": "A release that fails (the database still unreachable) is retried about
+/// every second until one succeeds or the lease's database expiry has passed". A holder cut
+/// off from the database loses its lease at the local deadline and keeps trying to release it
+/// while the network stays down. When it stops trying (it logs so), the database shows the
+/// lease expired: not before. Once the network is back, no release comes any more: for three
+/// retry intervals nothing of the holder connects (a release would keep its connection, seen
+/// by the proxy and by the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_release_retries_stop_once_its_database_expiry_has_passed() {
+    ErrorEvents::install();
+    let t = table("releasestop");
+    let (proxy, holder, lost) = cut_off_until_lost(&t, 6, 3, Duration::from_secs(1)).await;
+    within("the release retries stopped", async {
+        while !ErrorEvents::logged(&t, RELEASE_STOPPED) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let (owner, _, expires_in_ms) = lease_row(&admin().await, &t).await;
+    assert_eq!(owner, holder.owner_id(), "never released while the network was down");
+    assert!(expires_in_ms <= 0, "stopped only after the database expiry: {expires_in_ms} ms left");
+
+    proxy.set_refuse(false);
+    for _ in 0..30 {
+        assert_eq!(proxy.connection_count(), 0, "no release attempt after stopping");
+        assert_eq!(common::sessions_of(&t).await, 0, "no release attempt after stopping");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(*holder.lease_state().borrow(), lost, "the loss stays published");
+    drop(holder);
+}
+
+/// The store's error events in this test binary, as `(table field, message)`, from
+/// [`ErrorEvents::install`] on: a global log subscriber (the renewal thread logs on a thread
+/// of its own, and tracing caches per call site whether any subscriber wants an event).
+struct ErrorEvents;
+
+static ERROR_EVENTS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+impl ErrorEvents {
+    fn install() {
+        use tracing_subscriber::layer::SubscriberExt;
+        static INSTALLED: std::sync::Once = std::sync::Once::new();
+        INSTALLED.call_once(|| {
+            let subscriber = tracing_subscriber::registry().with(ErrorEvents);
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("the only log subscriber of this test binary");
+        });
+    }
+
+    /// Whether the store of `table` has logged `message`.
+    fn logged(table: &str, message: &str) -> bool {
+        let events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+        events.iter().any(|(t, m)| t.contains(table) && m == message)
+    }
+
+    fn wanted(metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.is_event()
+            && *metadata.level() == tracing::Level::ERROR
+            && metadata.target().starts_with("pgfence")
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorEvents {
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        match ErrorEvents::wanted(metadata) {
+            true => tracing::subscriber::Interest::always(),
+            false => tracing::subscriber::Interest::never(),
+        }
+    }
+
+    fn enabled(
+        &self,
+        metadata: &tracing::Metadata<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        ErrorEvents::wanted(metadata)
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        #[derive(Default)]
+        struct Fields {
+            table: String,
+            message: String,
+        }
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "table" => self.table = format!("{value:?}"),
+                    "message" => self.message = format!("{value:?}"),
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let mut events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+        events.push((fields.table, fields.message));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
