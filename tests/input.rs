@@ -96,6 +96,42 @@ async fn default_max_value_size_is_64_mib() {
     store.close().await.unwrap();
 }
 
+/// README, "Fail closed": the local deadline defaults to "⅔ of the TTL after the start of the
+/// last confirmed renewal". Exact, seen where the effective deadline is checked: a renewal
+/// interval must be below it. Without a deadline set, at the default TTL (30 s) a renewal
+/// every 19.999 s opens and one every 20 s is refused, naming a deadline of 20,000 ms; at a
+/// TTL of 3,001 ms (⅔: 2,000.67 ms) 2,000 ms opens and 2,001 ms is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_local_deadline_is_two_thirds_of_the_ttl() {
+    let ms = Duration::from_millis;
+    let store = |ttl: Option<Duration>, renew: Duration| {
+        let b = PgKvStore::builder_from_config(common::server().config())
+            .table(table("deadline23"))
+            .pool_size(1)
+            .renew_interval(renew);
+        match ttl {
+            Some(ttl) => b.lease_ttl(ttl),
+            None => b, // The default TTL, 30 s.
+        }
+    };
+    for (ttl, below, at, deadline) in [
+        (None, ms(19_999), ms(20_000), "20000 ms (TTL 30000 ms)"),
+        (Some(ms(3001)), ms(2000), ms(2001), "2000 ms (TTL 3001 ms)"),
+    ] {
+        let opened = store(ttl, below).open().await.expect("a renewal below the deadline opens");
+        opened.close().await.unwrap();
+        match store(ttl, at).open().await.unwrap_err() {
+            Error::InvalidConfig { field: "renew_interval", reason } => {
+                assert!(
+                    reason.contains(&format!("below the local deadline of {deadline}")),
+                    "{reason}"
+                )
+            }
+            other => panic!("{ttl:?}, {at:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_large_value_is_rejected_and_nothing_written() {
     let store = builder(&table("big")).max_value_size(1024).open().await.unwrap();
