@@ -679,12 +679,11 @@ impl Inner {
             };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
-                    // Armed once, by the first attempt that broke: a guard built for a later
-                    // one and then dropped, armed, would fail the store closed at once (and
-                    // abort the process under `Abort`) instead of letting the retries go on.
-                    if unresolved.is_none() {
-                        *unresolved = Some(OutcomePending { lease: &self.lease });
-                    }
+                    // Armed once, by the first attempt that broke, and built lazily: a guard
+                    // built for a later one and dropped, armed, would fail the store closed at
+                    // once (and abort the process under `Abort`) instead of letting the
+                    // retries go on.
+                    unresolved.get_or_insert_with(|| OutcomePending { lease: &self.lease });
                     self.await_backend_gone(backend).await
                 }
                 _ => Ok(()),
