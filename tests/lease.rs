@@ -1103,3 +1103,67 @@ async fn setup_after_a_concurrent_one_gets_lease_held_whatever_the_default_isola
     let e = within("open", opening).await.unwrap().unwrap_err();
     assert!(matches!(e, Error::LeaseHeld { epoch: 2, .. }), "{e:?}");
 }
+
+/// The isolation levels other than read committed that a database, a role or a connection may
+/// make the default, as `-c` settings of a connection's options (a space escaped: libpq splits
+/// the options at unescaped spaces).
+const STRICTER_ISOLATIONS: [&str; 2] = ["repeatable\\ read", "serializable"];
+
+/// A store whose connections get `default_transaction_isolation` = `isolation` from their
+/// options, as they would from `ALTER DATABASE`/`ALTER ROLE ... SET`.
+fn builder_with_default_isolation(t: &str, app: &str, isolation: &str) -> pgfence::Builder {
+    let mut config = server().config();
+    let options = config.get_options().unwrap_or_default().to_owned();
+    config.options(format!("{options} -c default_transaction_isolation={isolation}"));
+    PgKvStore::builder_from_config(config)
+        .table(t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(15))
+        .renew_interval(Duration::from_secs(3))
+        .application_name(app)
+}
+
+/// Waits until the store configured with `application_name(app)` has a fenced mutation (a
+/// statement that locks the lease row FOR KEY SHARE) waiting for a lock; returns its pid.
+async fn fenced_statement_waiting(app: &str) -> i32 {
+    let sql = "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+                AND application_name = $1 AND query LIKE '%FOR KEY SHARE%'";
+    let app = format!("pgfence {app}");
+    common::wait_for_row("a fenced statement waiting", sql, &[&app]).await;
+    admin().await.query_one(sql, &[&app]).await.unwrap().get(0)
+}
+
+/// A renewal that commits after a fenced mutation's statement began (after its snapshot) and
+/// before the statement locks the lease row does not fail the mutation, whatever
+/// `default_transaction_isolation` says: a renewal changes no key column, and PostgreSQL grants
+/// FOR KEY SHARE on a row whose newer version changed none, even to a snapshot that predates
+/// it. The mutation is held between its snapshot and its lock by a lock on the KV table: a
+/// prepared statement's snapshot is taken (under repeatable read and serializable, for the
+/// whole transaction) before the locks of its tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_between_a_mutations_snapshot_and_its_lock_is_harmless_whatever_the_isolation() {
+    for isolation in STRICTER_ISOLATIONS {
+        let t = table("isorenewal");
+        let app = table("isorenewal");
+        let store = builder_with_default_isolation(&t, &app, isolation).open().await.unwrap();
+        for fenced in common::Fenced::ALL {
+            // Prepares the statement on the store's one pooled connection.
+            fenced.run(&store).await.unwrap();
+            let mut db = admin().await;
+            let blocker = db.transaction().await.unwrap();
+            blocker.batch_execute(&format!("LOCK TABLE \"{t}\" IN SHARE MODE")).await.unwrap();
+            let mutation = tokio::spawn(fenced.run(&store));
+            fenced_statement_waiting(&app).await;
+            let renew = format!(
+                "UPDATE {} SET expires_at = clock_timestamp() + interval '15 seconds' WHERE id = 1",
+                lease_table(&t)
+            );
+            admin().await.execute(&renew, &[]).await.unwrap();
+            blocker.rollback().await.unwrap();
+            within("mutation", mutation).await.unwrap().unwrap_or_else(|e| {
+                panic!("{isolation}, {fenced:?}: {e:?}");
+            });
+        }
+        store.close().await.unwrap();
+    }
+}
