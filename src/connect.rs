@@ -1,11 +1,12 @@
 //! How the store connects: plain, or TLS for every connection when [`crate::Builder::tls`] is
-//! set. The pool and the connections of their own (lease renewal, a standby's LISTEN, creating
-//! a missing database) all go through here, so none of them can be plain by mistake.
+//! set, and at read committed whatever the database's default isolation level. The pool and
+//! the connections of their own (lease renewal, a standby's LISTEN, creating a missing
+//! database) all go through here, so none of them can be plain, or stricter, by mistake.
 
 use std::fmt;
 use std::sync::Arc;
 
-use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, RecyclingMethod};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -14,6 +15,7 @@ use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTl
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{Error, Result};
+use crate::sql;
 
 /// The TLS client configuration of a store's connections; `None` connects without TLS.
 #[derive(Clone, Default)]
@@ -38,16 +40,17 @@ impl Tls {
         }
     }
 
-    /// Connects and spawns the task that drives the connection; it ends when the client is
-    /// dropped or the connection breaks (logged at debug level as `what`). A notification on
-    /// the connection (after LISTEN) is signalled on `notifications`.
+    /// Connects, spawns the task that drives the connection, and sets the session to read
+    /// committed ([`sql::READ_COMMITTED`]). The task ends when the client is dropped or the
+    /// connection breaks (logged at debug level as `what`). A notification on the connection
+    /// (after LISTEN) is signalled on `notifications`.
     pub(crate) async fn connect(
         &self,
         config: &Config,
         what: &'static str,
         notifications: Option<mpsc::UnboundedSender<()>>,
     ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
-        Ok(match &self.0 {
+        let (client, task) = match &self.0 {
             Some(tls) => {
                 let (client, connection) = config.connect(tls.clone()).await?;
                 (client, drive(connection, what, notifications))
@@ -56,8 +59,23 @@ impl Tls {
                 let (client, connection) = config.connect(NoTls).await?;
                 (client, drive(connection, what, notifications))
             }
-        })
+        };
+        client.batch_execute(sql::READ_COMMITTED).await?;
+        Ok((client, task))
     }
+}
+
+/// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`]. Session state of a
+/// pooled connection, but of a pool the store built and nobody else uses, whose recycling
+/// (`Fast`) resets nothing. The fence does not rest on it: under a stricter level a mutation
+/// still commits nothing without the lease (its lock fails instead); it only makes the store
+/// report a takeover as the loss it is.
+pub(crate) fn read_committed() -> Hook {
+    Hook::async_fn(|client, _| {
+        Box::pin(async move {
+            client.batch_execute(sql::READ_COMMITTED).await.map_err(HookError::Backend)
+        })
+    })
 }
 
 impl Tls {

@@ -236,7 +236,10 @@ impl Error {
             Error::Database { source, .. } => is_connection_error(source),
             Error::Pool { source, .. } => match &**source {
                 deadpool_postgres::PoolError::Timeout(_) => true,
-                deadpool_postgres::PoolError::Backend(e) => is_connection_error(e),
+                deadpool_postgres::PoolError::Backend(e)
+                | deadpool_postgres::PoolError::PostCreateHook(
+                    deadpool_postgres::HookError::Backend(e),
+                ) => is_connection_error(e),
                 _ => false,
             },
             Error::Timeout { .. } => true,

@@ -49,6 +49,30 @@ pub(crate) const SETUP_IDLE_TIMEOUT: &str =
 /// value before any `SET`, i.e. the one from the connection's options.
 pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 
+/// Run once on every connection the store opens itself (pool, lease renewal, a standby's
+/// LISTEN), right after connecting: every later statement on it runs at read committed,
+/// whatever `default_transaction_isolation` the database, the role or the connection's options
+/// set. Each fenced mutation and renewal is a transaction of one statement, and only read
+/// committed re-reads the lease row when it was changed after the statement's snapshot: a
+/// mutation that waited for a takeover then finds the lease gone (`LeaseLost`), and a renewal
+/// that waited for another update of the row renews at once. Under repeatable read or
+/// serializable both get a serialization failure (SQLSTATE 40001) instead, which the store
+/// cannot tell from any other database error. A `SET` rather than a `-c` startup option:
+/// PgBouncer refuses startup options it does not track, this one included, by default.
+pub(crate) const READ_COMMITTED: &str =
+    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// The renewal thread's session: see `lease::connected` for the asynchronous commit; read
+/// committed as in [`READ_COMMITTED`], also on a connection taken from a pool passed to
+/// `builder_from_pool` (the renewal thread keeps it for good: its session is the store's own).
+pub(crate) const RENEWAL_SESSION: &str = "SET synchronous_commit = off; \
+     SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// The default isolation level of a connection the store did not open itself (one of a pool
+/// passed to `builder_from_pool`), checked by `open()` (see [`READ_COMMITTED`]).
+pub(crate) const DEFAULT_ISOLATION: &str =
+    "SELECT current_setting('default_transaction_isolation')";
+
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use crate::coalesce::Coalescer;
 use crate::config::{Builder, Source, host_name};
+use crate::connect;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease, LeaseState};
@@ -179,6 +180,17 @@ impl PgKvStore {
     /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For
     /// renewal fully independent of the application's runtime, use [`PgKvStore::builder`] or
     /// [`PgKvStore::builder_from_config`].
+    ///
+    /// The pool's connections must default to read committed. The store sets the connections
+    /// it opens itself to read committed, whatever `default_transaction_isolation` the
+    /// database, the role or the connection's options say, but it cannot set a pool's it did
+    /// not build: under repeatable read or serializable a write that waited for a takeover would
+    /// get a serialization failure (SQLSTATE 40001) instead of [`Error::LeaseLost`]. So
+    /// [`Builder::open`] refuses a pool whose connections default to either
+    /// ([`Error::InvalidConfig`], field `"pool"`). Where the database or role sets a stricter
+    /// default, give the pool's connections `-c default_transaction_isolation=read\ committed`
+    /// in their options (the backslash keeps the space in the value), or a `post_create` hook
+    /// that runs `SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED`.
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
     }
@@ -953,6 +965,7 @@ impl Builder {
         };
         let manager = self.tls.manager(config);
         Pool::builder(manager)
+            .post_create(connect::read_committed())
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(self.connect_timeout))
@@ -1043,6 +1056,9 @@ impl Builder {
             pid: std::process::id() as i32,
             app: self.application_name.clone(),
         };
+        if let Source::Pool(_) = &self.source {
+            check_pool_isolation(&client).await?;
+        }
         // Known before the setup, so that a setup whose commit goes unanswered can be ended.
         let backend = identify(&client).await?;
         let acquired = schema::setup_and_acquire(
@@ -1151,6 +1167,33 @@ impl Builder {
 
 /// The server process of a connection: `None` when the role cannot see it (the setup then
 /// refuses the role).
+/// A store on a pool passed in runs its mutations on connections it did not open, so it cannot
+/// set them to read committed as it does its own (see `sql::READ_COMMITTED`; the renewal
+/// thread sets its own connection of the pool). It refuses a pool whose connections default to
+/// repeatable read or serializable, rather than meet a serialization failure where a write
+/// should report the takeover it waited for as a lost lease. Read uncommitted is read committed
+/// in PostgreSQL.
+async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
+    let level: String = client
+        .query_one(sql::DEFAULT_ISOLATION, &[])
+        .await
+        .map_err(Error::db("check default isolation"))?
+        .get(0);
+    if matches!(level.as_str(), "read committed" | "read uncommitted") {
+        return Ok(());
+    }
+    Err(Error::config(
+        "pool",
+        format!(
+            "its connections default to {level} isolation (default_transaction_isolation); \
+             pgfence needs read committed: set it on the pool's connections, with the \
+             connection option `-c default_transaction_isolation=read\\ committed` or a \
+             post_create hook that runs `{}`",
+            sql::READ_COMMITTED
+        ),
+    ))
+}
+
 async fn identify(client: &tokio_postgres::Client) -> Result<Option<Backend>> {
     let row = client
         .query_one(sql::BACKEND_IDENTITY, &[])

@@ -1133,6 +1133,42 @@ async fn fenced_statement_waiting(app: &str) -> i32 {
     admin().await.query_one(sql, &[&app]).await.unwrap().get(0)
 }
 
+/// Whatever `default_transaction_isolation` says, a write, remove or batch that waits for a
+/// takeover in flight (a transaction that changed the lease row's owner and has not committed
+/// yet) is fenced once it commits, as under read committed: the caller gets `LeaseLost`
+/// (`Fenced`), and nothing is written. Under repeatable read or serializable the statement's
+/// snapshot would predate the takeover, and PostgreSQL would answer its lock with a
+/// serialization failure (SQLSTATE 40001) instead: an error the store does not know as a lost
+/// lease, so it would not fail closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mutation_waiting_for_a_takeover_is_fenced_whatever_the_default_isolation() {
+    for isolation in STRICTER_ISOLATIONS {
+        for fenced in common::Fenced::ALL {
+            let t = table("isotakeover");
+            let app = table("isotakeover");
+            let store = builder_with_default_isolation(&t, &app, isolation).open().await.unwrap();
+            let mut db = admin().await;
+            let takeover = db.transaction().await.unwrap();
+            let take = format!(
+                "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                        expires_at = clock_timestamp() + interval '1 hour' WHERE id = 1",
+                lease_table(&t)
+            );
+            takeover.execute(&take, &[]).await.unwrap();
+            let mutation = tokio::spawn(fenced.run(&store));
+            fenced_statement_waiting(&app).await;
+            takeover.commit().await.unwrap();
+            let e = within("mutation", mutation).await.unwrap().unwrap_err();
+            assert!(
+                matches!(e, Error::LeaseLost { reason: LossReason::Fenced, .. }),
+                "{isolation}, {fenced:?}: {e:?}"
+            );
+            assert_eq!(common::all_rows(&t).await, vec![], "{isolation}, {fenced:?}");
+            drop(store);
+        }
+    }
+}
+
 /// A renewal that commits after a fenced mutation's statement began (after its snapshot) and
 /// before the statement locks the lease row does not fail the mutation, whatever
 /// `default_transaction_isolation` says: a renewal changes no key column, and PostgreSQL grants
@@ -1166,4 +1202,79 @@ async fn a_renewal_between_a_mutations_snapshot_and_its_lock_is_harmless_whateve
         }
         store.close().await.unwrap();
     }
+}
+
+/// Whatever `default_transaction_isolation` says, a renewal that waits for another transaction
+/// that updated the lease row (here an operator extending the expiry) renews as soon as that
+/// transaction commits, as under read committed: it re-reads the committed row. Under
+/// repeatable read or serializable it would fail with a serialization failure (SQLSTATE
+/// 40001) and renew only on its retry about a second later; the lease row shows which: the
+/// store's TTL from now (renewed) or the operator's hour (not yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_waiting_for_an_update_of_the_lease_renews_whatever_the_default_isolation() {
+    for isolation in STRICTER_ISOLATIONS {
+        let t = table("isorenew");
+        let app = table("isorenew");
+        // A renewal attempt gives up after the renewal interval (3 s): time to see it waiting.
+        let store = builder_with_default_isolation(&t, &app, isolation).open().await.unwrap();
+        let mut db = admin().await;
+        let operator = db.transaction().await.unwrap();
+        let extend = format!(
+            "UPDATE {} SET expires_at = clock_timestamp() + interval '1 hour' WHERE id = 1",
+            lease_table(&t)
+        );
+        operator.execute(&extend, &[]).await.unwrap();
+        let renewal = "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+                        AND application_name = $1 AND query LIKE '%SET expires_at%'";
+        let app_name = format!("pgfence {app}");
+        common::wait_for_row("the renewal waiting", renewal, &[&app_name]).await;
+        let probe = admin().await;
+        let pid: i32 = probe.query_one(renewal, &[&app_name]).await.unwrap().get(0);
+        operator.commit().await.unwrap();
+        let done = "SELECT 1 WHERE NOT EXISTS
+                        (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')";
+        common::wait_for_row("the renewal done", done, &[&pid]).await;
+        let (_, _, expires_in_ms) = lease_row(&probe, &t).await;
+        assert!(
+            expires_in_ms <= 15_000,
+            "{isolation}: the renewal failed, the operator's expiry is still there \
+             ({expires_in_ms} ms left)"
+        );
+        assert!(matches!(*store.lease_state().borrow(), LeaseState::Held { .. }));
+        store.close().await.unwrap();
+    }
+}
+
+/// A store on a pool passed in cannot set the pool's connections to read committed: `open()`
+/// refuses a pool whose connections default to repeatable read or serializable
+/// (`InvalidConfig { field: "pool" }`, before any table exists), and opens on one whose
+/// connection options set read committed over such a default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_a_pool_needs_read_committed_connections() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    let pool_with = |isolation: &str| {
+        let mut config = server().config();
+        let options = config.get_options().unwrap_or_default().to_owned();
+        config.options(format!("{options} -c default_transaction_isolation={isolation}"));
+        let manager = Manager::new(config, pgfence::tokio_postgres::NoTls);
+        Pool::builder(manager).max_size(2).build().unwrap()
+    };
+    let t = table("isopool");
+    for isolation in STRICTER_ISOLATIONS {
+        let e = PgKvStore::builder_from_pool(pool_with(isolation)).table(&t).open().await;
+        let e = e.unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { field: "pool", .. }), "{isolation}: {e:?}");
+        assert!(e.to_string().contains("read committed"), "{e}");
+    }
+    assert!(!table_exists(&admin().await, &t).await);
+    let pool = pool_with("serializable -c default_transaction_isolation=read\\ committed");
+    let store = PgKvStore::builder_from_pool(pool)
+        .table(&t)
+        .lease_ttl(Duration::from_secs(15))
+        .renew_interval(Duration::from_secs(3))
+        .open()
+        .await
+        .unwrap();
+    store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+    store.close().await.unwrap();
 }
