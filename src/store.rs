@@ -1165,8 +1165,6 @@ impl Builder {
     }
 }
 
-/// The server process of a connection: `None` when the role cannot see it (the setup then
-/// refuses the role).
 /// A store on a pool passed in runs its mutations on connections it did not open, so it cannot
 /// set them to read committed as it does its own (see `sql::READ_COMMITTED`; the renewal
 /// thread sets its own connection of the pool). It refuses a pool whose connections default to
@@ -1194,6 +1192,8 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
     ))
 }
 
+/// The server process of a connection: `None` when the role cannot see it (the setup then
+/// refuses the role).
 async fn identify(client: &tokio_postgres::Client) -> Result<Option<Backend>> {
     let row = client
         .query_one(sql::BACKEND_IDENTITY, &[])
