@@ -291,7 +291,7 @@ async fn a_shared_statement_writes_its_mutations_in_key_order() {
     store.close().await.unwrap();
 }
 
-/// README, "Connections": "A write whose shared statement (see "Many concurrent writes") is
+/// README, "Statement timeouts": "A write whose shared statement (see "Many concurrent writes") is
 /// cancelled this way runs again on its own, so it can be cancelled twice before its caller
 /// gets the error." With `statement_timeout` in the connection's options, a write whose
 /// statement sleeps (a trigger, for the key `slow` only) shares a statement with two others;

@@ -34,7 +34,7 @@ use tokio::runtime::Runtime;
 const TTL: Duration = Duration::from_secs(2);
 
 /// Every connection gets a TCP user timeout of one TTL unless the caller set one (README,
-/// "Connections"), "so a partition fails a statement instead of hanging it for many minutes".
+/// "A partition"), "so a partition fails a statement instead of hanging it for many minutes".
 /// Behind a real partition the kernel ends a pooled connection with a query in flight no
 /// sooner than one TTL after the query was sent, and the query fails with the connection
 /// closed (without the default it waits for minutes). The same query on a connection whose
