@@ -558,3 +558,62 @@ async fn standby_whose_listen_connection_went_silent_still_takes_over_soon() {
     assert_eq!(store.fencing_token(), 2);
     store.close().await.unwrap();
 }
+
+/// A standby whose setup transaction the server ends for idling in it longer than the TTL
+/// (`idle_in_transaction_session_timeout`, which the setup sets: here the link turns slower
+/// than the TTL mid-setup, as in a stall of the network) keeps waiting: the server ended the
+/// session, a broken connection like any other, and the standby takes the lease once the link
+/// is fast again. Set up so that the statement the client sent meanwhile is the first after a
+/// simple query (a migration), so that the server's FATAL error (SQLSTATE 25P03) is the answer
+/// it gets, rather than a "connection closed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_keeps_waiting_when_the_server_ends_an_idle_setup() {
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("sbidle");
+    builder(&t).open().await.unwrap().close().await.unwrap();
+    // The next store to take the lease runs migration 4 again, which waits for this lock.
+    let admin = admin().await;
+    admin
+        .batch_execute(&format!("DELETE FROM \"{t}_schema_version\" WHERE version = 4"))
+        .await
+        .unwrap();
+    let mut locker = common::admin().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute(&format!("LOCK TABLE \"{t}\" IN ACCESS SHARE MODE")).await.unwrap();
+
+    let app = format!("sb-{t}");
+    let standby = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(1)
+        .lease_ttl(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(20))
+        .application_name(&app)
+        .standby();
+    let waiting = tokio::spawn(standby.open());
+    let migrating = "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = $1 AND wait_event_type = 'Lock'";
+    within("the standby's migration waits for the lock", async {
+        while admin
+            .query_one(migrating, &[&format!("pgfence {app}")])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // A round trip of 1.4 s from now on: the setup's session idles that long after the
+    // migration, longer than its TTL.
+    proxy.set_delay(Duration::from_millis(700));
+    lock.rollback().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    if waiting.is_finished() {
+        panic!("the standby gave up: {:?}", waiting.await.unwrap().map(|s| s.fencing_token()));
+    }
+    proxy.set_delay(Duration::ZERO);
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    store.close().await.unwrap();
+}
