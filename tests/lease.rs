@@ -1278,3 +1278,29 @@ async fn a_store_on_a_pool_needs_read_committed_connections() {
     store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
     store.close().await.unwrap();
 }
+
+/// The longest lease TTL the builder accepts (24 h) opens a store over TCP. Its connections'
+/// keepalive idle time defaults to the TTL, but Linux accepts at most 32,767 s for it
+/// (`TCP_KEEPIDLE`): asked for more, every connection would fail, with an I/O error a standby
+/// takes for a passing network fault and retries for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_lease_ttl_opens_over_tcp() {
+    let t = table("longttl");
+    let config = server().config();
+    assert!(
+        config.get_hosts().iter().all(|h| matches!(h, tokio_postgres::config::Host::Tcp(_))),
+        "the test server is reached over TCP"
+    );
+    let store = within(
+        "open",
+        PgKvStore::builder_from_config(config)
+            .table(&t)
+            .pool_size(1)
+            .lease_ttl(Duration::from_secs(24 * 60 * 60))
+            .open(),
+    )
+    .await
+    .unwrap();
+    store.write("ns", "sub", "k", b"v".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
