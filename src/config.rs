@@ -97,6 +97,9 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// tokio-postgres's keepalive idle time when none is configured: an idle time other than this
 /// was set by the caller.
 const TOKIO_POSTGRES_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
+/// The longest keepalive idle time Linux accepts (`MAX_TCP_KEEPIDLE`); asked for more, the
+/// socket option fails and so does every connection.
+const MAX_KEEPALIVES_IDLE: Duration = Duration::from_secs(32_767);
 
 impl Builder {
     pub(crate) fn new(source: Source) -> Builder {
@@ -237,7 +240,7 @@ impl Builder {
     /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
     /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
     /// timeout of many minutes; TCP keepalives after one TTL without a word from the server
-    /// (at least a second), every second, so a connection waiting for an answer that was lost
+    /// (at least a second, at most the 32,767 s Linux accepts), every second, so a connection waiting for an answer that was lost
     /// on the way (nothing of ours unacknowledged, so the user timeout alone never fires) ends
     /// about a second later, by that same user timeout, instead of after the kernel's two
     /// hours of keepalive idle time (a caller who configured keepalives keeps them); an
@@ -261,8 +264,11 @@ impl Builder {
             && config.get_keepalives_interval().is_none()
             && config.get_keepalives_retries().is_none();
         if keepalives_untouched {
-            // Whole seconds: the kernel takes nothing shorter.
-            config.keepalives_idle(self.lease_ttl.max(Duration::from_secs(1)));
+            // Whole seconds: the kernel takes nothing shorter, nor longer than its maximum (a
+            // TTL of hours; the user timeout of one TTL still ends a connection that stopped
+            // answering, only not before the TTL).
+            config
+                .keepalives_idle(self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE));
             config.keepalives_interval(Duration::from_secs(1));
         }
         if config.get_application_name().is_none() {
@@ -416,6 +422,9 @@ mod tests {
         // The kernel counts keepalive idle time in whole seconds.
         let config = effective(tokio_postgres::Config::new(), Duration::from_millis(500));
         assert_eq!(config.get_keepalives_idle(), Duration::from_secs(1));
+        // Nor more than the kernel's maximum.
+        let config = effective(tokio_postgres::Config::new(), Duration::from_secs(86_400));
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(32_767));
 
         let mut own = tokio_postgres::Config::new();
         own.keepalives_idle(Duration::from_secs(300));
