@@ -240,10 +240,11 @@ impl Builder {
     /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
     /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
     /// timeout of many minutes; TCP keepalives after one TTL without a word from the server
-    /// (at least a second, at most the 32,767 s Linux accepts), every second, so a connection waiting for an answer that was lost
-    /// on the way (nothing of ours unacknowledged, so the user timeout alone never fires) ends
-    /// about a second later, by that same user timeout, instead of after the kernel's two
-    /// hours of keepalive idle time (a caller who configured keepalives keeps them); an
+    /// (at least a second, at most the 32,767 s Linux accepts), every second, so a connection
+    /// waiting for an answer that was lost on the way (nothing of ours unacknowledged, so the
+    /// user timeout alone never fires) ends about a second later, by that same user timeout,
+    /// instead of after the kernel's two hours of keepalive idle time (a caller who configured
+    /// keepalives keeps them); an
     /// `application_name` of `pgfence <app>` so operators can
     /// find the store's sessions; and, with [`Builder::tls`], `sslmode=require`. `None` for a
     /// pool source.

@@ -189,8 +189,10 @@ impl PgKvStore {
     /// [`Builder::open`] refuses a pool whose connections default to either
     /// ([`Error::InvalidConfig`], field `"pool"`). Where the database or role sets a stricter
     /// default, give the pool's connections `-c default_transaction_isolation=read\ committed`
-    /// in their options (the backslash keeps the space in the value), or a `post_create` hook
-    /// that runs `SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED`.
+    /// in their options (the backslash keeps the space in the value). A `post_create` hook that
+    /// runs `SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED` passes
+    /// the check too, but `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL`
+    /// undoes it.
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
     }
@@ -1184,10 +1186,8 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
         "pool",
         format!(
             "its connections default to {level} isolation (default_transaction_isolation); \
-             pgfence needs read committed: set it on the pool's connections, with the \
-             connection option `-c default_transaction_isolation=read\\ committed` or a \
-             post_create hook that runs `{}`",
-            sql::READ_COMMITTED
+             pgfence needs read committed: set it on the pool's connections with the \
+             connection option `-c default_transaction_isolation=read\\ committed`"
         ),
     ))
 }
