@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::{HANG_GUARD, admin, builder, lease_row, lease_table, table, within};
 use pgfence::testing::{Proxy, TestServer};
 use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
-use tracing_subscriber::layer::SubscriberExt;
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -606,66 +605,6 @@ impl Pause {
     }
 }
 
-/// The log subscriber of this test binary, global (a subscriber of the paused threads alone
-/// would not do: tracing caches whether a log call is wanted at all, in some cases by asking
-/// the subscriber of whichever thread makes that call first). It takes only the store's error
-/// events, and passes them to the pause point of the thread they are logged on.
-struct Pauses;
-
-impl Pauses {
-    fn install() {
-        static INSTALLED: std::sync::Once = std::sync::Once::new();
-        INSTALLED.call_once(|| {
-            let subscriber = tracing_subscriber::registry().with(Pauses);
-            tracing::subscriber::set_global_default(subscriber)
-                .expect("the only log subscriber of this test binary");
-        });
-    }
-
-    fn wanted(metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.is_event()
-            && *metadata.level() == tracing::Level::ERROR
-            && metadata.target().starts_with("pgfence")
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Pauses {
-    fn register_callsite(
-        &self,
-        metadata: &'static tracing::Metadata<'static>,
-    ) -> tracing::subscriber::Interest {
-        match Pauses::wanted(metadata) {
-            true => tracing::subscriber::Interest::always(),
-            false => tracing::subscriber::Interest::never(),
-        }
-    }
-
-    fn enabled(
-        &self,
-        metadata: &tracing::Metadata<'_>,
-        _: tracing_subscriber::layer::Context<'_, S>,
-    ) -> bool {
-        Pauses::wanted(metadata)
-    }
-
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Message(String);
-        impl tracing::field::Visit for Message {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                if field.name() == "message" {
-                    self.0 = format!("{value:?}");
-                }
-            }
-        }
-        let Some(pause) = PAUSE_HERE.with(|here| here.borrow().clone()) else {
-            return;
-        };
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        pause.logged(&message.0);
-    }
-}
-
 /// A runtime (one worker thread) whose tasks stop at a [`Pause`]. Dropped, it lets them go and
 /// shuts down in the background (a runtime cannot be dropped in place inside another one).
 struct Paused {
@@ -675,7 +614,11 @@ struct Paused {
 
 impl Paused {
     fn at(pause: &Pause) -> Paused {
-        Pauses::install();
+        common::errors::observe(|event| {
+            if let Some(pause) = PAUSE_HERE.with(|here| here.borrow().clone()) {
+                pause.logged(&event.message);
+            }
+        });
         let on_thread = pause.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

@@ -757,11 +757,11 @@ const RELEASE_STOPPED: &str =
 /// by the proxy and by the server).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_lease_release_retries_stop_once_its_database_expiry_has_passed() {
-    ErrorEvents::install();
+    record_error_events();
     let t = table("releasestop");
     let (proxy, holder, lost) = cut_off_until_lost(&t, 6, 3, Duration::from_secs(1)).await;
     within("the release retries stopped", async {
-        while !ErrorEvents::logged(&t, RELEASE_STOPPED) {
+        while !logged(&t, RELEASE_STOPPED) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -781,75 +781,20 @@ async fn lost_lease_release_retries_stop_once_its_database_expiry_has_passed() {
 }
 
 /// The store's error events in this test binary, as `(table field, message)`, from
-/// [`ErrorEvents::install`] on: a global log subscriber (the renewal thread logs on a thread
-/// of its own, and tracing caches per call site whether any subscriber wants an event).
-struct ErrorEvents;
-
+/// [`record_error_events`] on.
 static ERROR_EVENTS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
 
-impl ErrorEvents {
-    fn install() {
-        use tracing_subscriber::layer::SubscriberExt;
-        static INSTALLED: std::sync::Once = std::sync::Once::new();
-        INSTALLED.call_once(|| {
-            let subscriber = tracing_subscriber::registry().with(ErrorEvents);
-            tracing::subscriber::set_global_default(subscriber)
-                .expect("the only log subscriber of this test binary");
-        });
-    }
-
-    /// Whether the store of `table` has logged `message`.
-    fn logged(table: &str, message: &str) -> bool {
-        let events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
-        events.iter().any(|(t, m)| t.contains(table) && m == message)
-    }
-
-    fn wanted(metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.is_event()
-            && *metadata.level() == tracing::Level::ERROR
-            && metadata.target().starts_with("pgfence")
-    }
+fn record_error_events() {
+    common::errors::observe(|event| {
+        let mut events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+        events.push((event.table.clone(), event.message.clone()));
+    });
 }
 
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorEvents {
-    fn register_callsite(
-        &self,
-        metadata: &'static tracing::Metadata<'static>,
-    ) -> tracing::subscriber::Interest {
-        match ErrorEvents::wanted(metadata) {
-            true => tracing::subscriber::Interest::always(),
-            false => tracing::subscriber::Interest::never(),
-        }
-    }
-
-    fn enabled(
-        &self,
-        metadata: &tracing::Metadata<'_>,
-        _: tracing_subscriber::layer::Context<'_, S>,
-    ) -> bool {
-        ErrorEvents::wanted(metadata)
-    }
-
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        #[derive(Default)]
-        struct Fields {
-            table: String,
-            message: String,
-        }
-        impl tracing::field::Visit for Fields {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                match field.name() {
-                    "table" => self.table = format!("{value:?}"),
-                    "message" => self.message = format!("{value:?}"),
-                    _ => {}
-                }
-            }
-        }
-        let mut fields = Fields::default();
-        event.record(&mut fields);
-        let mut events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
-        events.push((fields.table, fields.message));
-    }
+/// Whether the store of `table` has logged `message`.
+fn logged(table: &str, message: &str) -> bool {
+    let events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+    events.iter().any(|(t, m)| t.contains(table) && m == message)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

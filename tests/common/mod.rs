@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
 
 pub mod conformance;
+pub mod errors;
 
 use std::time::Duration;
 
