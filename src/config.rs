@@ -203,7 +203,10 @@ impl Builder {
         self
     }
 
-    /// Time limit for opening a connection (default 10 s).
+    /// Time limit for opening a connection (default 10 s): the TCP connect, the server's
+    /// startup and authentication, and the statement that sets the new session to read
+    /// committed, each an answer a server that stopped answering would never give. (A
+    /// `connect_timeout` in the connection string bounds only the TCP connect, within this.)
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self

@@ -5,6 +5,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, RecyclingMethod};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -65,18 +66,28 @@ impl Tls {
     }
 }
 
-/// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`]. Session state of a
-/// pooled connection, but of a pool the store built and nobody else uses, whose recycling
-/// (`Fast`) resets nothing. The fence does not rest on it: under a stricter level a mutation
-/// still commits nothing without the lease (its lock fails instead); it only makes the store
-/// report a takeover as the loss it is.
-pub(crate) fn read_committed() -> Hook {
-    Hook::async_fn(|client, _| {
+/// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`], given at most
+/// `timeout` (the connect timeout, which tokio-postgres applies only to the TCP connect, and
+/// the pool to creating the connection, not to its hooks): a server that stopped answering
+/// would otherwise hold it up for good. Session state of a pooled connection, but of a pool
+/// the store built and nobody else uses, whose recycling (`Fast`) resets nothing. The fence
+/// does not rest on it: under a stricter level a mutation still commits nothing without the
+/// lease (its lock fails instead); it only makes the store report a takeover as the loss it
+/// is.
+pub(crate) fn read_committed(timeout: Duration) -> Hook {
+    Hook::async_fn(move |client, _| {
         Box::pin(async move {
-            client.batch_execute(sql::READ_COMMITTED).await.map_err(HookError::Backend)
+            match tokio::time::timeout(timeout, client.batch_execute(sql::READ_COMMITTED)).await {
+                Ok(set) => set.map_err(HookError::Backend),
+                Err(_) => Err(HookError::message(HOOK_TIMED_OUT)),
+            }
         })
     })
 }
+
+/// The error of [`read_committed`] when the server did not answer in time (retryable).
+pub(crate) const HOOK_TIMED_OUT: &str =
+    "no answer to setting read committed within connect_timeout";
 
 impl Tls {
     /// Asks the server to cancel the statement running on the connection of `token`, over a

@@ -240,6 +240,9 @@ impl Error {
                 | deadpool_postgres::PoolError::PostCreateHook(
                     deadpool_postgres::HookError::Backend(e),
                 ) => is_connection_error(e),
+                deadpool_postgres::PoolError::PostCreateHook(
+                    deadpool_postgres::HookError::Message(message),
+                ) => message == crate::connect::HOOK_TIMED_OUT,
                 _ => false,
             },
             Error::Timeout { .. } => true,

@@ -48,11 +48,11 @@ pub(crate) struct Holder {
 /// it. Then the schema is created or migrated and the lease taken. If anything fails, the
 /// transaction rolls back: schema changes included.
 ///
-/// `caller` is closed when the caller of `open()` is gone (its future dropped, or a standby's
-/// timeout): then the statement running (waiting for the setup lock, say, or at the fence) is
-/// cancelled and nothing is committed, so an abandoned attempt never takes the lease later.
-/// Once the commit is sent it runs to its end: the store is then built and dropped, which
-/// releases the lease.
+/// `caller` is closed when the caller of `open()` is gone (its future dropped, a standby's
+/// timeout, the stop of `open_until`): then the statement running (waiting for the setup lock,
+/// say, or at the fence) is cancelled and nothing is committed, so an abandoned attempt never
+/// takes the lease later. A commit already sent is not waited for then: it may take the lease
+/// all the same ([`SetupFailed::commit_unanswered`]).
 pub(crate) async fn setup_and_acquire(
     client: &mut tokio_postgres::Client,
     tls: &Tls,
@@ -61,19 +61,19 @@ pub(crate) async fn setup_and_acquire(
     statements: &Statements,
     ttl: Duration,
     holder: &Holder,
-) -> Result<Acquired> {
+) -> Result<Acquired, SetupFailed> {
     let cancel = client.cancel_token();
     // Read committed whatever `default_transaction_isolation` says: each statement must see
     // what was committed before it, above all what a concurrent setup committed while this one
     // waited for the setup lock (the lease it took). Under repeatable read or serializable the
     // snapshot would be older than that wait, and taking the lease would fail with a
     // serialization error instead of finding it held (which ends a standby's wait for good).
-    let mut tx = client
-        .build_transaction()
-        .isolation_level(IsolationLevel::ReadCommitted)
-        .start()
-        .await
-        .map_err(Error::db("begin setup"))?;
+    let begin = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start();
+    let mut tx = tokio::select! {
+        biased;
+        _ = &mut *caller => return Err(Error::Closed.into()),
+        tx = begin => tx.map_err(Error::db("begin setup"))?,
+    };
     let prepared = tokio::select! {
         biased;
         _ = &mut *caller => None,
@@ -83,34 +83,52 @@ pub(crate) async fn setup_and_acquire(
         None => {
             tracing::debug!(table = %table.display(), "pgfence open abandoned; cancelling setup");
             if let Err(e) = tls.cancel(&cancel).await {
-                // The connection closes with the pool anyway, which rolls back once the server
-                // notices; nothing is committed either way.
+                // The connection is closed anyway, which rolls back once the server notices;
+                // nothing is committed either way.
                 tracing::warn!(error = %e, "pgfence could not cancel an abandoned setup");
             }
-            return Err(Error::Closed);
+            return Err(Error::Closed.into());
         }
         Some(Err(e)) => {
             if let Err(rollback) = tx.rollback().await {
                 tracing::warn!(error = %rollback, "pgfence rollback of a failed setup failed");
             }
-            return Err(e);
+            return Err(e.into());
         }
         Some(Ok(acquired)) => acquired,
     };
     if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
         tx.rollback().await.map_err(Error::db("rollback setup"))?;
-        return Err(Error::Closed);
+        return Err(Error::Closed.into());
     }
-    tx.commit().await.map_err(Error::db(COMMIT_SETUP))?;
-    Ok(acquired)
+    let committed = tokio::select! {
+        biased;
+        _ = &mut *caller => None,
+        committed = tx.commit() => Some(committed),
+    };
+    match committed {
+        Some(Ok(())) => Ok(acquired),
+        Some(Err(e)) => {
+            let commit_unanswered = is_connection_error(&e);
+            Err(SetupFailed { error: Error::db("commit setup")(e), commit_unanswered })
+        }
+        None => Err(SetupFailed { error: Error::Closed, commit_unanswered: true }),
+    }
 }
 
-const COMMIT_SETUP: &str = "commit setup";
+/// Why [`setup_and_acquire`] failed.
+#[derive(Debug)]
+pub(crate) struct SetupFailed {
+    pub(crate) error: Error,
+    /// The commit was sent and no answer came (the connection broke, or the caller stopped
+    /// waiting for it): it may have taken the lease on the server all the same.
+    pub(crate) commit_unanswered: bool,
+}
 
-/// Whether `e` is [`setup_and_acquire`]'s commit left without an answer (its connection
-/// broke): that commit may have taken the lease on the server all the same.
-pub(crate) fn commit_unanswered(e: &Error) -> bool {
-    matches!(e, Error::Database { operation: COMMIT_SETUP, source } if is_connection_error(source))
+impl From<Error> for SetupFailed {
+    fn from(error: Error) -> SetupFailed {
+        SetupFailed { error, commit_unanswered: false }
+    }
 }
 
 /// The setup transaction's statements up to the commit (see [`setup_and_acquire`]).

@@ -21,7 +21,7 @@ use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease, LeaseState};
 use crate::ordering::{KeyOrder, Ticket};
-use crate::schema::{self, Holder, LeaseInfo};
+use crate::schema::{self, Holder, LeaseInfo, SetupFailed};
 use crate::sql::{self, Statements};
 
 /// A key-value store in PostgreSQL that only the holder of the table's lease may mutate.
@@ -908,7 +908,7 @@ impl std::ops::Deref for Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(object) = self.0.take() {
-            drop(deadpool_postgres::Object::take(object));
+            discard(object);
         }
     }
 }
@@ -967,7 +967,7 @@ impl Builder {
         };
         let manager = self.tls.manager(config);
         Pool::builder(manager)
-            .post_create(connect::read_committed())
+            .post_create(connect::read_committed(self.connect_timeout))
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(self.connect_timeout))
@@ -980,23 +980,35 @@ impl Builder {
     /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
     /// live store holds the lease. Creates the database if it does not exist and the role may.
     ///
+    /// A table that never had planner statistics gets them (`ANALYZE`) once the lease is
+    /// taken, as the last step; best effort: held up for longer than one TTL (by a lock, or a
+    /// server that stopped answering), it is given up and the store returned without them.
+    ///
     /// Dropping the returned future cancels the setup if it is still waiting (for the setup
-    /// lock of a concurrent `open()`, or at the fence for the old holder's in-flight writes):
-    /// nothing is committed and the lease is never taken later. If the commit was already
-    /// sent, the store is opened and dropped, which releases the lease. That cancellation runs
-    /// on in the background, on the current runtime; to give up and know it is done (before
-    /// the runtime shuts down, say), use [`Builder::open_until`].
+    /// lock of a concurrent `open()`, at the fence for the old holder's in-flight writes, or for
+    /// a server that stopped answering): nothing is committed and the lease is never taken
+    /// later. If the commit was sent and not yet answered, that setup's server process is
+    /// ended and the lease released by its owner id, in case the commit took it (within
+    /// `connect_timeout`; otherwise it expires by its TTL). A store already opened (gathering
+    /// statistics) is closed, which releases the lease. A connection left waiting for an
+    /// answer is closed, never handed back to a pool. That cancellation runs on in the
+    /// background, on the current runtime; to give up and know it is done (before the runtime
+    /// shuts down, say), use [`Builder::open_until`].
     pub async fn open(self) -> Result<PgKvStore> {
         self.open_until(std::future::pending()).await?.ok_or(Error::Closed)
     }
 
-    /// [`Builder::open`], given up when `stop` completes first: a setup still waiting is
-    /// cancelled (nothing committed, the lease never taken later), and a store whose commit
-    /// was already sent is closed, which releases its lease. `Ok(None)` then, returned only
-    /// once all that is done (the server has received the cancel request, and acts on it at
-    /// once): nothing of this opening is left running on the runtime, nor waiting on the
-    /// server, so the runtime may shut down right after (at process exit, say). `stop` is, for
-    /// example, a signal, a shutdown channel or a timer.
+    /// [`Builder::open`], given up when `stop` completes first, as when its future is dropped:
+    /// a setup still waiting is cancelled (nothing committed, the lease never taken later), a
+    /// commit sent and unanswered is ended and its lease released, a store already opened is
+    /// closed. `Ok(None)` then, returned only once all that is done (the server has received
+    /// the cancel request, and acts on it at once): nothing of this opening is left running on
+    /// the runtime, nor waiting on the server, so the runtime may shut down right after (at
+    /// process exit, say). Against a server that stopped answering, it returns as promptly:
+    /// the connection waiting for it is closed (the server, if it ever answers again, rolls
+    /// back what was not committed), and a release that gets no answer is given up after
+    /// `connect_timeout` (the lease, if the commit took it, then expires by its TTL). `stop`
+    /// is, for example, a signal, a shutdown channel or a timer.
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.validate()?;
         // Dropped when the caller gives up: tells the task that nobody waits for the store.
@@ -1039,30 +1051,35 @@ impl Builder {
             Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
         };
 
-        let mut client = match pool.get().await {
-            Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
-                let Some(config) = &config else {
-                    return Err(Error::Pool {
-                        operation: "connect",
-                        source: Box::new(PoolError::Backend(e)),
-                    });
-                };
-                schema::create_database(config, &self.tls).await?;
-                pool.get().await.map_err(Error::pool("connect"))?
-            }
-            other => other.map_err(Error::pool("connect"))?,
-        };
+        // Every wait for the server below ends when the caller is gone (`Error::Closed`), so
+        // that `open_until` returns at its stop even from a server that stopped answering. A
+        // connection left with a statement unanswered then is closed, never handed back to a
+        // pool (the application's own, with `builder_from_pool`): its next user would queue
+        // behind that statement, and a cancel request may land late.
+        let connecting = connect(&pool, config.as_ref(), &self.tls);
+        let mut client = unless_abandoned(&mut caller, connecting).await?;
         let holder = Holder {
             owner_id: Uuid::new_v4(),
             host: host_name(),
             pid: std::process::id() as i32,
             app: self.application_name.clone(),
         };
-        if let Source::Pool(_) = &self.source {
-            check_pool_isolation(&client).await?;
-        }
-        // Known before the setup, so that a setup whose commit goes unanswered can be ended.
-        let backend = identify(&client).await?;
+        let checks = async {
+            if let Source::Pool(_) = &self.source {
+                check_pool_isolation(&client).await?;
+            }
+            // Known before the setup, so that a setup whose commit goes unanswered can be ended.
+            identify(&client).await
+        };
+        let backend = match unless_abandoned(&mut caller, checks).await {
+            Ok(backend) => backend,
+            Err(e) => {
+                if is_abandoned(&mut caller) {
+                    discard(client);
+                }
+                return Err(e);
+            }
+        };
         let acquired = schema::setup_and_acquire(
             &mut client,
             &self.tls,
@@ -1075,17 +1092,12 @@ impl Builder {
         .await;
         let acquired = match acquired {
             Ok(acquired) => acquired,
-            Err(e) => {
-                let abandoned = caller.try_recv() != Err(oneshot::error::TryRecvError::Empty);
-                let unanswered = backend.filter(|_| schema::commit_unanswered(&e));
-                if abandoned || unanswered.is_some() {
-                    // Abandoned: a cancel request was sent for this connection's setup and
-                    // may land late, on whatever it runs next. Unanswered: broken. Never hand
-                    // it back to a pool (the application's own, with `builder_from_pool`):
-                    // close it, before the release below needs a connection of that pool.
-                    drop(deadpool_postgres::Object::take(client));
+            Err(SetupFailed { error, commit_unanswered }) => {
+                if is_abandoned(&mut caller) || commit_unanswered {
+                    // Closed before the release below needs a connection of the same pool.
+                    discard(client);
                 }
-                if let Some(backend) = unanswered {
+                if let Some(backend) = backend.filter(|_| commit_unanswered) {
                     let owner_id = holder.owner_id;
                     let release =
                         release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
@@ -1094,7 +1106,7 @@ impl Builder {
                             "pgfence could not release a lease whose setup commit went unanswered in time; it expires by its TTL");
                     }
                 }
-                return Err(e);
+                return Err(error);
             }
         };
         tracing::info!(table = %table.display(), epoch = acquired.epoch,
@@ -1137,14 +1149,34 @@ impl Builder {
         // 4,096 keys). Autovacuum keeps them fresh later; an analyzed table is not delayed.
         // Best effort: ANALYZE locks nothing writers need. After the renewal thread started, so
         // that a cancelled open() cannot leave a committed lease without renewal and release.
-        let analyzed = match client.query_one(sql::NEVER_ANALYZED, &[&table.quoted("")]).await {
-            Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze).await,
-            other => other.map(drop),
+        // Not waited for beyond one TTL, nor once the caller is gone: a lock held by someone
+        // else, or a server that stopped answering, would otherwise hold up the opened store
+        // (its lease taken) for as long.
+        let analyzing = async {
+            match client.query_one(sql::NEVER_ANALYZED, &[&table.quoted("")]).await {
+                Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze).await,
+                other => other.map(drop),
+            }
         };
-        if let Err(e) = analyzed {
-            tracing::warn!(error = %e, "pgfence could not check or gather table statistics");
+        let analyzed = tokio::select! {
+            biased;
+            _ = &mut caller => None,
+            analyzed = tokio::time::timeout(self.lease_ttl, analyzing) => analyzed.ok(),
+        };
+        match analyzed {
+            Some(Ok(())) => drop(client), // Back to the pool.
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "pgfence could not check or gather table statistics");
+            }
+            None => {
+                tracing::warn!(table = %table.display(),
+                    "pgfence gave up gathering table statistics (held up, or open() abandoned)");
+                if let Err(e) = self.tls.cancel(&client.cancel_token()).await {
+                    tracing::warn!(error = %e, "pgfence could not cancel gathering statistics");
+                }
+                discard(client);
+            }
         }
-        drop(client);
         Ok(PgKvStore {
             inner: Arc::new(Inner {
                 pool,
@@ -1190,6 +1222,49 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
              connection option `-c default_transaction_isolation=read\\ committed`"
         ),
     ))
+}
+
+/// A connection of the pool, creating the database first if it does not exist (and the role
+/// may; only with a connection config, `config`).
+async fn connect(
+    pool: &Pool,
+    config: Option<&tokio_postgres::Config>,
+    tls: &connect::Tls,
+) -> Result<deadpool_postgres::Object> {
+    match pool.get().await {
+        Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
+            let Some(config) = config else {
+                let source = Box::new(PoolError::Backend(e));
+                return Err(Error::Pool { operation: "connect", source });
+            };
+            schema::create_database(config, tls).await?;
+            pool.get().await.map_err(Error::pool("connect"))
+        }
+        other => other.map_err(Error::pool("connect")),
+    }
+}
+
+/// `work`, unless the caller of `open()` is gone first (`caller` closed): `Error::Closed` then,
+/// and `work` is dropped.
+async fn unless_abandoned<T>(
+    caller: &mut oneshot::Receiver<()>,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::select! {
+        biased;
+        _ = caller => Err(Error::Closed),
+        done = work => done,
+    }
+}
+
+/// Whether the caller of `open()` is gone.
+fn is_abandoned(caller: &mut oneshot::Receiver<()>) -> bool {
+    caller.try_recv() != Err(oneshot::error::TryRecvError::Empty)
+}
+
+/// Closes a connection of the pool instead of handing it back (see [`Checkout`]).
+fn discard(client: deadpool_postgres::Object) {
+    drop(deadpool_postgres::Object::take(client));
 }
 
 /// The server process of a connection: `None` when the role cannot see it (the setup then

@@ -1184,8 +1184,9 @@ pub fn unique_name(prefix: &str) -> String {
 ///
 /// Each accepted connection is forwarded to the upstream address. While it runs, a test can
 /// delay every chunk of data ([`Proxy::set_delay`]), refuse new connections
-/// ([`Proxy::set_refuse`]), abruptly close every current connection ([`Proxy::cut_all`]) or
-/// corrupt what the server sends on one of them ([`Proxy::corrupt_next_reply`]).
+/// ([`Proxy::set_refuse`]), abruptly close every current connection ([`Proxy::cut_all`]),
+/// corrupt what the server sends on one of them ([`Proxy::corrupt_next_reply`]), or hold back
+/// the data of one connection ([`Proxy::stall`]) or all ([`Proxy::hang`]).
 ///
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
@@ -1212,6 +1213,11 @@ struct ProxyShared {
     corrupt_port: AtomicU32,
     /// Upstream-side local ports of the connections whose data is held back.
     stalled_ports: Mutex<HashSet<u32>>,
+    /// Set when every connection's data is held back ([`Proxy::hang`]).
+    hung: AtomicBool,
+    /// How many chunks a new connection's client may send before the rest is held back
+    /// ([`Proxy::hang_after_client_chunks`]); `u32::MAX` for no limit.
+    client_chunks: AtomicU32,
     connections: Mutex<Connections>,
     timer: DelayTimer,
 }
@@ -1254,6 +1260,8 @@ impl Proxy {
             refuse: AtomicBool::new(false),
             corrupt_port: AtomicU32::new(0),
             stalled_ports: Mutex::new(HashSet::new()),
+            hung: AtomicBool::new(false),
+            client_chunks: AtomicU32::new(u32::MAX),
             connections: Mutex::new(Connections::default()),
             timer,
         });
@@ -1315,6 +1323,22 @@ impl Proxy {
     pub fn stall(&self, client_port: u16) {
         let mut stalled = self.shared.stalled_ports.lock().unwrap_or_else(PoisonError::into_inner);
         stalled.insert(u32::from(client_port));
+    }
+
+    /// Holds back everything either side sends from now on, on every connection, current and
+    /// new ones alike: as a server that hung (its kernel still accepts connections and
+    /// acknowledges data, but nothing answers), or a middlebox that did. Nothing is refused or
+    /// closed.
+    pub fn hang(&self) {
+        self.shared.hung.store(true, Ordering::SeqCst);
+    }
+
+    /// On connections made from now on, forwards only the first `n` chunks of data the client
+    /// sends (read as they arrive) and holds back the rest; what the server sends passes. With
+    /// `n = 1` and a role that needs no password, the server answers the startup and nothing
+    /// after it: a session that hangs right after it began.
+    pub fn hang_after_client_chunks(&self, n: u32) {
+        self.shared.client_chunks.store(n, Ordering::SeqCst);
     }
 
     /// The number of connections currently being forwarded.
@@ -1465,11 +1489,12 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let port = u32::from(server.local_addr()?.port());
+    let client_chunks = shared.client_chunks.load(Ordering::SeqCst);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::try_join!(
-        pump(client_read, server_write, shared, port, false),
-        pump(server_read, client_write, shared, port, true),
+        pump(client_read, server_write, shared, port, false, client_chunks),
+        pump(server_read, client_write, shared, port, true, u32::MAX),
     )?;
     Ok(())
 }
@@ -1478,13 +1503,16 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
 /// it; the writer writes each chunk once it is due (woken by the proxy's [`DelayTimer`]). The
 /// two run concurrently, so a delay adds latency without limiting throughput, and the queue
 /// keeps the order. `port`: the connection's port on the server side (see
-/// [`Proxy::corrupt_next_reply`] and [`Proxy::stall`]); `from_server`: the direction.
+/// [`Proxy::corrupt_next_reply`] and [`Proxy::stall`]); `from_server`: the direction;
+/// `passing`: how many chunks pass before the rest is held back
+/// ([`Proxy::hang_after_client_chunks`]; `u32::MAX`: all).
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &ProxyShared,
     port: u32,
     from_server: bool,
+    mut passing: u32,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let read = async move {
@@ -1496,8 +1524,16 @@ async fn pump(
             if n == 0 {
                 return Ok::<(), io::Error>(());
             }
-            let stalled =
-                shared.stalled_ports.lock().unwrap_or_else(PoisonError::into_inner).contains(&port);
+            let stalled = shared.hung.load(Ordering::SeqCst)
+                || passing == 0
+                || shared
+                    .stalled_ports
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .contains(&port);
+            if passing != u32::MAX {
+                passing = passing.saturating_sub(1);
+            }
             // Held back for a day: in effect never, as the proxy is dropped long before.
             let delay = if stalled { Duration::from_secs(86_400) } else { shared.delay() };
             let due = Instant::now() + delay;

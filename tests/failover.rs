@@ -283,34 +283,49 @@ async fn dropped_waiting_for_the_setup_lock_never_takes_the_lease_later(
     next.close().await.unwrap();
 }
 
-/// An `open()` abandoned while it waits for a connection of the application's pool
-/// (`builder_from_pool`) gets the connection later, sees its caller gone, cancels its setup and
-/// closes that connection instead of handing it back: the cancel request can land late, and
-/// must not hit the next statement of whoever takes the connection next.
+/// An `open()` on the application's pool (`builder_from_pool`) abandoned while its setup waits
+/// at the fence cancels the setup and closes that connection instead of handing it back: the
+/// cancel request can land late, and must not hit the next statement of whoever takes the
+/// connection next. One abandoned while it still waits for a connection of the pool never
+/// takes one: the connection it waited for serves the next user as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_open_never_hands_its_connection_back_to_the_pool() {
     let server = common::server();
     let manager = pgfence::deadpool_postgres::Manager::new(server.config(), tokio_postgres::NoTls);
     let pool = pgfence::deadpool_postgres::Pool::builder(manager).max_size(1).build().unwrap();
     let pid = "SELECT pg_backend_pid()";
-    let held = pool.get().await.unwrap();
-    let first: i32 = held.query_one(pid, &[]).await.unwrap().get(0);
-    let opening =
-        tokio::spawn(PgKvStore::builder_from_pool(pool.clone()).table(table("abandoned")).open());
+    let first: i32 = pool.get().await.unwrap().query_one(pid, &[]).await.unwrap().get(0);
+    let t = table("abandoned");
+    let mut blocker = admin().await;
+    let tx = common::fence_closed(&mut blocker, &t).await;
+    let opening = tokio::spawn(PgKvStore::builder_from_pool(pool.clone()).table(&t).open());
+    let at_fence = "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'";
+    common::wait_for_row("the setup waiting at the fence", at_fence, &[&first]).await;
+    opening.abort(); // Its caller gives up.
+    assert!(opening.await.unwrap_err().is_cancelled());
+    let next = within("a connection", pool.get()).await.unwrap();
+    let second: i32 = next.query_one(pid, &[]).await.unwrap().get(0);
+    assert_ne!(first, second, "the abandoned setup's connection was closed, not reused");
+    next.query_one("SELECT pg_sleep(0.3)", &[]).await.expect("no late cancel hits it");
+    tx.commit().await.unwrap();
+
+    let held = next;
+    let opening = tokio::spawn(PgKvStore::builder_from_pool(pool.clone()).table(&t).open());
     within("the open waits for the pool's only connection", async {
         while pool.status().waiting == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await;
-    opening.abort(); // Its caller gives up.
+    opening.abort();
     assert!(opening.await.unwrap_err().is_cancelled());
-
-    drop(held); // The abandoned open's task gets it now, and must not give it back.
+    drop(held);
     let next = within("a connection", pool.get()).await.unwrap();
-    let second: i32 = next.query_one(pid, &[]).await.unwrap().get(0);
-    assert_ne!(first, second, "the abandoned open's connection was closed, not reused");
+    let third: i32 = next.query_one(pid, &[]).await.unwrap().get(0);
+    assert_eq!(second, third, "the open that waited for it never took it");
     next.query_one("SELECT pg_sleep(0.3)", &[]).await.expect("no late cancel hits it");
+    let (_, epoch, _) = common::lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 1, "neither open took the lease");
 }
 
 /// With its LISTEN connection killed, the standby polls (and reconnects) and still takes over
@@ -616,4 +631,136 @@ async fn standby_keeps_waiting_when_the_server_ends_an_idle_setup() {
     proxy.set_delay(Duration::ZERO);
     let store = within("standby acquires", waiting).await.unwrap().unwrap();
     store.close().await.unwrap();
+}
+
+/// `open_until` given up (`stop`, once `stop_when` is done) while a statement of the opening
+/// waits for an answer that does not come: it returns `Ok(None)` at once, not once the server
+/// answers (never, from a server that hung) nor after a connect timeout. `connect_timeout` is
+/// longer than the test's hang guard, so waiting for it fails the test too.
+async fn stopped_while_unanswered(
+    builder: pgfence::Builder,
+    app: &str,
+    stop_when: impl std::future::Future<Output = ()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let opening = builder.application_name(app).connect_timeout(common::HANG_GUARD * 2).open_until(
+        async move {
+            let _ = stopped.await;
+        },
+    );
+    let stop_later = async move {
+        stop_when.await;
+        drop(stop);
+        Instant::now()
+    };
+    let (opened, stopped_at) =
+        within("open_until stopped", async { tokio::join!(opening, stop_later) }).await;
+    println!("open_until returned {:?} after the stop", stopped_at.elapsed());
+    assert!(opened.unwrap().is_none(), "stopped");
+}
+
+/// Half a second: long enough for an opening to send its statement.
+async fn soon() {
+    tokio::time::sleep(Duration::from_millis(500)).await
+}
+
+/// [`stopped_while_unanswered`] with a server that hangs from the start: the opening waits for
+/// the answer to its connection's startup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_until_stopped_while_connecting_to_a_hung_server_returns_at_once() {
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    proxy.hang();
+    let t = table("hungconnect");
+    let builder = PgKvStore::builder_from_config(server.config_via(proxy.addr())).table(&t);
+    stopped_while_unanswered(builder, &format!("hungconnect-{t}"), soon()).await;
+    let made = common::table_exists(&admin().await, &format!("{t}_lease")).await;
+    assert!(!made, "nothing of the setup ran");
+}
+
+/// [`stopped_while_unanswered`] with the application's pool (`builder_from_pool`) whose
+/// server hangs after its connection was made: the opening's first statement goes
+/// unanswered, and its connection is closed, not handed back to the pool (its next user would
+/// wait behind that statement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_until_stopped_on_a_pool_whose_server_hangs_returns_at_once() {
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let manager = pgfence::deadpool_postgres::Manager::new(
+        server.config_via(proxy.addr()),
+        tokio_postgres::NoTls,
+    );
+    let pool = pgfence::deadpool_postgres::Pool::builder(manager).max_size(1).build().unwrap();
+    drop(pool.get().await.unwrap()); // Made, and idle in the pool.
+    proxy.hang();
+    let t = table("hungpool");
+    let builder = PgKvStore::builder_from_pool(pool.clone()).table(&t);
+    stopped_while_unanswered(builder, &format!("hungpool-{t}"), soon()).await;
+    assert_eq!(pool.status().size, 0, "the unanswered connection left the pool");
+}
+
+/// [`stopped_while_unanswered`] while the setup's `COMMIT` waits on the server (at a deferred
+/// trigger of the lease table). That commit may still take the lease, so before it returns
+/// the opening ends the setup's server process and releases by its owner id: the lease stays
+/// free, and nothing of the opening is left on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_until_stopped_while_its_commit_is_unanswered_leaves_the_lease_free() {
+    let t = table("commitgate");
+    common::open(&t).await.close().await.unwrap();
+    let gate = admin().await;
+    gate.batch_execute(&format!(
+        "CREATE FUNCTION \"{t}_gate\"() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM pg_advisory_xact_lock_shared(hashtext('{t}'), 7);
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER gate AFTER INSERT OR UPDATE ON {lease}
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{t}_gate\"();
+         SELECT pg_advisory_lock(hashtext('{t}'), 7);",
+        lease = lease_table(&t),
+    ))
+    .await
+    .unwrap();
+    let app = format!("commitgate-{t}");
+    stopped_while_unanswered(builder(&t), &app, common::wait_for_app_lock_wait(&app)).await;
+    common::wait_until_no_sessions(&app).await;
+    let (_, epoch, ms_left) = common::lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 1, "the stopped setup's commit took nothing");
+    assert!(ms_left <= 0, "nobody holds the lease");
+    let unlock = "SELECT pg_advisory_unlock(hashtext($1), 7)";
+    assert!(gate.query_one(unlock, &[&t]).await.unwrap().get::<_, bool>(0), "the gate held");
+}
+
+/// A table that has never had statistics, whose `ANALYZE` at the end of `open()` waits for a
+/// lock the test holds. `open_until` stopped then returns, having closed the store it opened
+/// (the lease released), and a plain `open()` returns after about one TTL without them: it
+/// gives up on the statistics (best effort) rather than wait with the lease taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_does_not_wait_for_statistics_held_up() {
+    let t = table("analyzewait");
+    common::open(&t).await.close().await.unwrap();
+    let mut locker = admin().await;
+    let reset = format!("SELECT pg_stat_reset_single_table_counters('\"{t}\"'::regclass)");
+    locker.batch_execute(&reset).await.unwrap();
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute(&format!("LOCK TABLE \"{t}\" IN SHARE UPDATE EXCLUSIVE MODE"))
+        .await
+        .unwrap();
+
+    let app = format!("analyzewait-{t}");
+    stopped_while_unanswered(builder(&t), &app, common::wait_for_app_lock_wait(&app)).await;
+    common::wait_until_no_sessions(&app).await;
+    let (_, epoch, ms_left) = common::lease_row(&admin().await, &t).await;
+    assert_eq!(epoch, 2, "the stopped opening took the lease");
+    assert!(ms_left <= 0, "and released it");
+
+    let ttl = Duration::from_secs(3);
+    let builder = builder(&t).lease_ttl(ttl).renew_interval(Duration::from_millis(500));
+    let opening = builder.application_name(&app).open();
+    let started = Instant::now();
+    let store = within("open() with statistics held up", opening).await.unwrap();
+    println!("open() returned after {:?} (TTL {ttl:?})", started.elapsed());
+    store.write("n", "", "k", b"v".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+    lock.rollback().await.unwrap();
 }

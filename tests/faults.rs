@@ -482,3 +482,25 @@ async fn a_server_error_keeps_its_connection_in_the_pool() {
     assert_eq!(after, before, "the same sessions: the pool kept its connection");
     drop(store);
 }
+
+/// A server that answers the startup of a new connection and nothing after it (a session that
+/// hangs right after it began): the pool's hook on the new connection, which sets it to read
+/// committed, gets no answer. `open()` fails after `connect_timeout` with a retryable error,
+/// so a standby tries again, instead of waiting for the answer for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_hangs_after_its_startup_fails_open_in_time() {
+    let server = common::server();
+    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    proxy.hang_after_client_chunks(1);
+    let opening = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(table("hookhang"))
+        .connect_timeout(Duration::from_secs(1))
+        .open();
+    let e = within("open() on a hung session", opening).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Pool { source, .. }
+            if matches!(**source, pgfence::deadpool_postgres::PoolError::PostCreateHook(_))),
+        "{e:?}"
+    );
+    assert!(e.is_retryable(), "{e:?}");
+}
