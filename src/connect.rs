@@ -92,11 +92,19 @@ pub(crate) const HOOK_TIMED_OUT: &str =
 impl Tls {
     /// Asks the server to cancel the statement running on the connection of `token`, over a
     /// connection made like the others (a store on a pool, whose connector is unknown here,
-    /// asks without TLS).
-    pub(crate) async fn cancel(&self, token: &CancelToken) -> Result<(), tokio_postgres::Error> {
-        match &self.0 {
-            Some(tls) => token.cancel_query(tls.clone()).await,
-            None => token.cancel_query(NoTls).await,
+    /// asks without TLS). Given up after `limit`: over TLS the request waits for the server's
+    /// answer to its SSLRequest and for the handshake, which a server that stopped answering
+    /// never gives (without TLS, only the TCP connect is waited for).
+    pub(crate) async fn cancel(&self, token: &CancelToken, limit: Duration) -> crate::Result<()> {
+        let sent = async {
+            match &self.0 {
+                Some(tls) => token.cancel_query(tls.clone()).await,
+                None => token.cancel_query(NoTls).await,
+            }
+        };
+        match tokio::time::timeout(limit, sent).await {
+            Ok(sent) => sent.map_err(crate::Error::db("cancel")),
+            Err(_) => Err(crate::Error::Timeout { operation: "cancel", after: limit }),
         }
     }
 }

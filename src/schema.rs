@@ -52,10 +52,12 @@ pub(crate) struct Holder {
 /// timeout, the stop of `open_until`): then the statement running (waiting for the setup lock,
 /// say, or at the fence) is cancelled and nothing is committed, so an abandoned attempt never
 /// takes the lease later. A commit already sent is not waited for then: it may take the lease
-/// all the same ([`SetupFailed::commit_unanswered`]).
+/// all the same ([`SetupFailed::commit_unanswered`]). The cancel request goes with `tls`,
+/// given up after `cancel_within` (a server that stopped answering never completes one over
+/// TLS).
 pub(crate) async fn setup_and_acquire(
     client: &mut tokio_postgres::Client,
-    tls: &Tls,
+    (tls, cancel_within): (&Tls, Duration),
     caller: &mut oneshot::Receiver<()>,
     table: &TableName,
     statements: &Statements,
@@ -82,7 +84,7 @@ pub(crate) async fn setup_and_acquire(
     let acquired = match prepared {
         None => {
             tracing::debug!(table = %table.display(), "pgfence open abandoned; cancelling setup");
-            if let Err(e) = tls.cancel(&cancel).await {
+            if let Err(e) = tls.cancel(&cancel, cancel_within).await {
                 // The connection is closed anyway, which rolls back once the server notices;
                 // nothing is committed either way.
                 tracing::warn!(error = %e, "pgfence could not cancel an abandoned setup");
@@ -90,7 +92,16 @@ pub(crate) async fn setup_and_acquire(
             return Err(Error::Closed.into());
         }
         Some(Err(e)) => {
-            if let Err(rollback) = tx.rollback().await {
+            // Not waited for once the caller is gone (a server that stopped answering right
+            // after the error would hold it up for good): the connection is then closed
+            // instead (see `open_here`), which rolls back as well. `caller` was pending above,
+            // so polling it again is sound.
+            let rolled_back = tokio::select! {
+                biased;
+                _ = &mut *caller => None,
+                rolled_back = tx.rollback() => Some(rolled_back),
+            };
+            if let Some(Err(rollback)) = rolled_back {
                 tracing::warn!(error = %rollback, "pgfence rollback of a failed setup failed");
             }
             return Err(e.into());
@@ -98,7 +109,9 @@ pub(crate) async fn setup_and_acquire(
         Some(Ok(acquired)) => acquired,
     };
     if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
-        tx.rollback().await.map_err(Error::db("rollback setup"))?;
+        // Gone: the connection is closed (see `open_here`), which rolls back; waiting for a
+        // ROLLBACK here could wait for good (and `caller`, now complete, must not be polled).
+        drop(tx);
         return Err(Error::Closed.into());
     }
     let committed = tokio::select! {

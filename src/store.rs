@@ -1006,9 +1006,12 @@ impl Builder {
     /// the runtime, nor waiting on the server, so the runtime may shut down right after (at
     /// process exit, say). Against a server that stopped answering, it returns as promptly:
     /// the connection waiting for it is closed (the server, if it ever answers again, rolls
-    /// back what was not committed), and a release that gets no answer is given up after
-    /// `connect_timeout` (the lease, if the commit took it, then expires by its TTL). `stop`
-    /// is, for example, a signal, a shutdown channel or a timer.
+    /// back what was not committed), a cancel request that cannot be delivered (over TLS it
+    /// needs the server's answer) is given up after `connect_timeout`, and so is the release
+    /// of a commit that gets no answer (the lease, if the commit took it, then expires by its
+    /// TTL); closing a store already opened waits up to `drop_timeout` for its release, as
+    /// [`PgKvStore::close`] does. `stop` is, for example, a signal, a shutdown channel or a
+    /// timer.
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.validate()?;
         // Dropped when the caller gives up: tells the task that nobody waits for the store.
@@ -1082,7 +1085,7 @@ impl Builder {
         };
         let acquired = schema::setup_and_acquire(
             &mut client,
-            &self.tls,
+            (&self.tls, self.connect_timeout),
             &mut caller,
             &table,
             &statements,
@@ -1171,7 +1174,8 @@ impl Builder {
             None => {
                 tracing::warn!(table = %table.display(),
                     "pgfence gave up gathering table statistics (held up, or open() abandoned)");
-                if let Err(e) = self.tls.cancel(&client.cancel_token()).await {
+                if let Err(e) = self.tls.cancel(&client.cancel_token(), self.connect_timeout).await
+                {
                     tracing::warn!(error = %e, "pgfence could not cancel gathering statistics");
                 }
                 discard(client);
@@ -1293,17 +1297,21 @@ async fn release_unanswered_setup(
 ) {
     let operation = "release after an unanswered setup commit";
     let attempt = async {
-        let client = pool.get().await.map_err(Error::pool(operation))?;
+        // Closed, not handed back, if this attempt is given up with a statement unanswered
+        // (the caller's timeout): the pool may be the application's own.
+        let client = Checkout(Some(pool.get().await.map_err(Error::pool(operation))?));
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
         let released = async {
             client.query(sql::TERMINATE_BACKEND, &params).await?;
             while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            let channel = schema::notify_channel(&**client, table).await?;
+            let channel = schema::notify_channel(&***client, table).await?;
             client.query(&statements.release, &[&owner_id, &channel]).await
         };
-        released.await.map_err(Error::db(operation))
+        let released = released.await;
+        client.answered();
+        released.map_err(Error::db(operation))
     };
     match attempt.await {
         Ok(rows) if rows.is_empty() => {
