@@ -1186,7 +1186,9 @@ pub fn unique_name(prefix: &str) -> String {
 /// delay every chunk of data ([`Proxy::set_delay`]), refuse new connections
 /// ([`Proxy::set_refuse`]), abruptly close every current connection ([`Proxy::cut_all`]),
 /// corrupt what the server sends on one of them ([`Proxy::corrupt_next_reply`]), or hold back
-/// the data of one connection ([`Proxy::stall`]) or all ([`Proxy::hang`]).
+/// the data of one connection ([`Proxy::stall`]), of all ([`Proxy::hang`]), what the clients
+/// send ([`Proxy::hang_requests`]), or what new sessions send after their startup
+/// ([`Proxy::hang_after_client_chunks`]).
 ///
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
@@ -1215,6 +1217,10 @@ struct ProxyShared {
     stalled_ports: Mutex<HashSet<u32>>,
     /// Set when every connection's data is held back ([`Proxy::hang`]).
     hung: AtomicBool,
+    /// Set when what every client sends is held back ([`Proxy::hang_requests`]).
+    requests_hung: AtomicBool,
+    /// Chunks held back so far, for good ([`Proxy::held`]).
+    held: AtomicU64,
     /// How many chunks a new connection's client may send before the rest is held back
     /// ([`Proxy::hang_after_client_chunks`]); `u32::MAX` for no limit.
     client_chunks: AtomicU32,
@@ -1261,6 +1267,8 @@ impl Proxy {
             corrupt_port: AtomicU32::new(0),
             stalled_ports: Mutex::new(HashSet::new()),
             hung: AtomicBool::new(false),
+            requests_hung: AtomicBool::new(false),
+            held: AtomicU64::new(0),
             client_chunks: AtomicU32::new(u32::MAX),
             connections: Mutex::new(Connections::default()),
             timer,
@@ -1331,6 +1339,20 @@ impl Proxy {
     /// closed.
     pub fn hang(&self) {
         self.shared.hung.store(true, Ordering::SeqCst);
+    }
+
+    /// Holds back everything the clients send from now on, on every connection, current and
+    /// new ones alike, while what the server sends still passes: a server that answered what
+    /// it had and then hung, as its clients see it.
+    pub fn hang_requests(&self) {
+        self.shared.requests_hung.store(true, Ordering::SeqCst);
+    }
+
+    /// How many chunks of data (as read, in either direction) the proxy has held back for good
+    /// so far: by [`Proxy::stall`], [`Proxy::hang`], [`Proxy::hang_requests`] or
+    /// [`Proxy::hang_after_client_chunks`].
+    pub fn held(&self) -> u64 {
+        self.shared.held.load(Ordering::SeqCst)
     }
 
     /// On connections made from now on, forwards only the first `n` chunks of data the client
@@ -1526,11 +1548,15 @@ async fn pump(
             }
             let stalled = shared.hung.load(Ordering::SeqCst)
                 || passing == 0
+                || (!from_server && shared.requests_hung.load(Ordering::SeqCst))
                 || shared
                     .stalled_ports
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .contains(&port);
+            if stalled {
+                shared.held.fetch_add(1, Ordering::SeqCst);
+            }
             if passing != u32::MAX {
                 passing = passing.saturating_sub(1);
             }
