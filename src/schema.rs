@@ -336,15 +336,23 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 
 /// Creates the database named in `config` when it does not exist (connecting to the
 /// `postgres` database with the same credentials and TLS). A concurrent creation is not an
-/// error.
-pub(crate) async fn create_database(config: &tokio_postgres::Config, tls: &Tls) -> Result<()> {
+/// error. Making that connection (its startup and its read-committed `SET`) is given up after
+/// `connect_timeout`, as the pool's are: a server that stopped answering would otherwise hold
+/// up a plain `open()` for good.
+pub(crate) async fn create_database(
+    config: &tokio_postgres::Config,
+    tls: &Tls,
+    connect_timeout: Duration,
+) -> Result<()> {
     let name = config.get_dbname().or(config.get_user()).unwrap_or("postgres").to_owned();
     let mut admin = config.clone();
     admin.dbname("postgres");
-    let (client, connection) = tls
-        .connect(&admin, "create database", None)
-        .await
-        .map_err(Error::db("connect to create database"))?;
+    let operation = "connect to create database";
+    let connecting = tls.connect(&admin, "create database", None);
+    let (client, connection) = match tokio::time::timeout(connect_timeout, connecting).await {
+        Ok(connected) => connected.map_err(Error::db(operation))?,
+        Err(_) => return Err(Error::Timeout { operation, after: connect_timeout }),
+    };
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
     let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;

@@ -1059,7 +1059,7 @@ impl Builder {
         // connection left with a statement unanswered then is closed, never handed back to a
         // pool (the application's own, with `builder_from_pool`): its next user would queue
         // behind that statement, and a cancel request may land late.
-        let connecting = connect(&pool, config.as_ref(), &self.tls);
+        let connecting = connect(&pool, config.as_ref(), &self.tls, self.connect_timeout);
         let mut client = unless_abandoned(&mut caller, connecting).await?;
         let holder = Holder {
             owner_id: Uuid::new_v4(),
@@ -1234,6 +1234,7 @@ async fn connect(
     pool: &Pool,
     config: Option<&tokio_postgres::Config>,
     tls: &connect::Tls,
+    connect_timeout: Duration,
 ) -> Result<deadpool_postgres::Object> {
     match pool.get().await {
         Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
@@ -1241,7 +1242,7 @@ async fn connect(
                 let source = Box::new(PoolError::Backend(e));
                 return Err(Error::Pool { operation: "connect", source });
             };
-            schema::create_database(config, tls).await?;
+            schema::create_database(config, tls, connect_timeout).await?;
             pool.get().await.map_err(Error::pool("connect"))
         }
         other => other.map_err(Error::pool("connect")),

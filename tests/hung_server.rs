@@ -345,3 +345,28 @@ async fn open_until_with_tls_stopped_on_a_hung_server_returns() {
     open_stopped_when(builder, setup_waiting_then_hang).await;
     lock.rollback().await.unwrap();
 }
+
+/// A missing database, on a server that answers each new connection's startup and nothing
+/// after it: the pool's connection fails at startup (no such database), and the connection of
+/// its own that creates it gets no answer to its read-committed `SET`. The documented bound of
+/// a new connection's startup and `SET` is `connect_timeout`: a plain `open()` fails within
+/// about that, rather than waiting for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_creating_a_database_on_a_hung_server_gives_up_after_connect_timeout() {
+    let server = common::server();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    proxy.hang_after_client_chunks(1);
+    let mut config = server.config_via(proxy.addr());
+    config.dbname(pgfence::testing::unique_name("hungcreatedb"));
+    let connect_timeout = Duration::from_secs(2);
+    let builder = PgKvStore::builder_from_config(config)
+        .table(table("hungcreatedb"))
+        .connect_timeout(connect_timeout);
+    let started = Instant::now();
+    let opened = within("open() creating a database", builder.open()).await;
+    let took = started.elapsed();
+    println!("open() returned {took:?}: {:?}", opened.as_ref().err());
+    assert!(opened.is_err(), "the server never answered");
+    assert!(proxy.held() > 0, "the hang was met");
+    assert!(took < 2 * connect_timeout + Duration::from_secs(5), "gave up late: {took:?}");
+}
