@@ -370,3 +370,41 @@ async fn open_creating_a_database_on_a_hung_server_gives_up_after_connect_timeou
     assert!(proxy.held() > 0, "the hang was met");
     assert!(took < 2 * connect_timeout + Duration::from_secs(5), "gave up late: {took:?}");
 }
+
+/// A standby (no stop, no timeout) on the application's pool, whose one idle connection stops
+/// answering (a middlebox holds back that connection only; new connections get through) while
+/// the standby waits: once the holder releases, the standby's next attempt takes that
+/// connection and waits for its answer. It should give the attempt up (a setup's own waits end
+/// within about a TTL) and retry, taking the released lease, not wait in one attempt for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_does_not_wait_for_good_in_one_attempt_on_a_silent_connection() {
+    let server = common::server();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table("standbysilent");
+    let holder = common::open(&t).await;
+    let app = format!("standbysilent-{t}");
+    let mut config = server.config_via(proxy.addr());
+    config.application_name(&app);
+    let manager = pgfence::deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = pgfence::deadpool_postgres::Pool::builder(manager).max_size(1).build().unwrap();
+    let standby = PgKvStore::builder_from_pool(pool.clone())
+        .table(&t)
+        .lease_ttl(Duration::from_secs(5))
+        .renew_interval(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(2))
+        .standby();
+    let mut progress = standby.progress();
+    let opening = tokio::spawn(standby.open());
+    let waiting = progress.wait_for(|s| matches!(s, pgfence::StandbyState::Waiting { .. }));
+    within("standby waiting", waiting).await.unwrap();
+    let admin = admin().await;
+    let pooled = "SELECT client_port FROM pg_stat_activity WHERE application_name = $1";
+    let port: i32 = admin.query_one(pooled, &[&app]).await.unwrap().get(0);
+    proxy.stall(u16::try_from(port).unwrap());
+    holder.close().await.unwrap();
+    let released = Instant::now();
+    let store = within("standby takeover", opening).await.unwrap().expect("the standby opens");
+    println!("standby took over {:?} after the release", released.elapsed());
+    assert!(proxy.held() > 0, "the silent connection was met");
+    store.close().await.unwrap();
+}
