@@ -1136,12 +1136,28 @@ impl Builder {
         let keeper = match Keeper::spawn(Arc::clone(&lease), keeper_config) {
             Ok(keeper) => keeper,
             Err(e) => {
-                // No renewal means no lease: give it back now rather than by TTL.
-                if let Err(release) = client
-                    .query(&statements.release, &[&acquired.owner_id, &acquired.channel])
-                    .await
-                {
-                    tracing::error!(error = %release, "pgfence could not release after a failed start");
+                // No renewal means no lease: give it back now rather than by TTL. Not waited
+                // for beyond `connect_timeout`, nor once the caller is gone (a server that
+                // stopped answering would hold the opening up for good); the lease then
+                // expires by its TTL, and the connection, left with the release unanswered, is
+                // closed rather than handed back to the pool.
+                let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
+                let release = client.query(&statements.release, &params);
+                let released = tokio::select! {
+                    biased;
+                    _ = &mut caller => None,
+                    released = tokio::time::timeout(self.connect_timeout, release) => released.ok(),
+                };
+                match released {
+                    Some(Ok(_)) => drop(client),
+                    Some(Err(release)) => {
+                        tracing::error!(error = %release, "pgfence could not release after a failed start");
+                    }
+                    None => {
+                        tracing::error!(table = %table.display(),
+                            "pgfence gave up releasing after a failed start; the lease expires by its TTL");
+                        discard(client);
+                    }
                 }
                 return Err(e);
             }
