@@ -1005,8 +1005,9 @@ impl Builder {
     /// the cancel request, and acts on it at once): nothing of this opening is left running on
     /// the runtime, nor waiting on the server, so the runtime may shut down right after (at
     /// process exit, say). Against a server that stopped answering, it returns as promptly:
-    /// the connection waiting for it is closed (the server, if it ever answers again, rolls
-    /// back what was not committed), a cancel request that cannot be delivered (over TLS it
+    /// the connection waiting for it is given up (the server, if it ever answers again, rolls
+    /// back what was not committed; until then, or until the runtime shuts down, that
+    /// connection's task waits for the answer, and holds nothing else), a cancel request that cannot be delivered (over TLS it
     /// needs the server's answer) is given up after `connect_timeout`, and so is the release
     /// of a commit that gets no answer (the lease, if the commit took it, then expires by its
     /// TTL); closing a store already opened waits up to `drop_timeout` for its release, as
@@ -1067,6 +1068,9 @@ impl Builder {
             pid: std::process::id() as i32,
             app: self.application_name.clone(),
         };
+        // Quick statements (they wait for no lock), so given up after `connect_timeout`: a
+        // pooled connection that went silent while idle (a middlebox that hung) then costs this
+        // attempt, which a standby retries, instead of holding it up for good.
         let checks = async {
             if let Source::Pool(_) = &self.source {
                 check_pool_isolation(&client).await?;
@@ -1074,13 +1078,17 @@ impl Builder {
             // Known before the setup, so that a setup whose commit goes unanswered can be ended.
             identify(&client).await
         };
-        let backend = match unless_abandoned(&mut caller, checks).await {
-            Ok(backend) => backend,
-            Err(e) => {
-                if is_abandoned(&mut caller) {
-                    discard(client);
-                }
-                return Err(e);
+        let backend = match answered_in_time(&mut caller, self.connect_timeout, checks).await {
+            Some(checked) => checked?,
+            None => {
+                discard(client);
+                return Err(match is_abandoned(&mut caller) {
+                    true => Error::Closed,
+                    false => Error::Timeout {
+                        operation: "check connection",
+                        after: self.connect_timeout,
+                    },
+                });
             }
         };
         let acquired = schema::setup_and_acquire(
@@ -1143,12 +1151,7 @@ impl Builder {
                 // closed rather than handed back to the pool.
                 let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
                 let release = client.query(&statements.release, &params);
-                let released = tokio::select! {
-                    biased;
-                    _ = &mut caller => None,
-                    released = tokio::time::timeout(self.connect_timeout, release) => released.ok(),
-                };
-                match released {
+                match answered_in_time(&mut caller, self.connect_timeout, release).await {
                     Some(Ok(_)) => drop(client),
                     Some(Err(release)) => {
                         tracing::error!(error = %release, "pgfence could not release after a failed start");
@@ -1177,12 +1180,7 @@ impl Builder {
                 other => other.map(drop),
             }
         };
-        let analyzed = tokio::select! {
-            biased;
-            _ = &mut caller => None,
-            analyzed = tokio::time::timeout(self.lease_ttl, analyzing) => analyzed.ok(),
-        };
-        match analyzed {
+        match answered_in_time(&mut caller, self.lease_ttl, analyzing).await {
             Some(Ok(())) => drop(client), // Back to the pool.
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "pgfence could not check or gather table statistics");
@@ -1275,6 +1273,20 @@ async fn unless_abandoned<T>(
         biased;
         _ = caller => Err(Error::Closed),
         done = work => done,
+    }
+}
+
+/// `work`, unless the caller of `open()` is gone first or `limit` passes: `None` then, and
+/// `work` is dropped (a connection it left with a statement unanswered must be discarded).
+async fn answered_in_time<T>(
+    caller: &mut oneshot::Receiver<()>,
+    limit: Duration,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        biased;
+        _ = caller => None,
+        done = tokio::time::timeout(limit, work) => done.ok(),
     }
 }
 
