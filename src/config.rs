@@ -206,8 +206,9 @@ impl Builder {
     /// Time limit for making a connection (default 10 s): the TCP connect with the server's
     /// startup and authentication, and then, timed again, the statement that sets the new
     /// session to read committed (so a pooled connection may take up to about twice this).
-    /// Also the limit for a cancel request, and for releasing the lease of a setup whose
-    /// commit went unanswered. Each bounds a wait for an answer that a server that stopped
+    /// Also the limit for the quick checks on a connection before `open()`'s setup, a cancel
+    /// request, the connection that creates a missing database, and releasing the lease of a
+    /// setup whose commit went unanswered. Each bounds a wait for an answer that a server that stopped
     /// answering would never give. (A `connect_timeout` in the connection string bounds only
     /// the TCP connect, within this.)
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
