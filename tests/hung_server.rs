@@ -81,12 +81,18 @@ async fn statistics_held_up<'a>(
     lock
 }
 
-/// Waits until a session named `pgfence {app}` waits on a lock in a statement matching
-/// `pattern` (SQL LIKE).
-async fn wait_for_lock_wait(app: &str, pattern: &str) {
+/// Waits until, on the server of `probe`, a session named `pgfence {app}` waits on a lock in a
+/// statement matching `pattern` (SQL LIKE).
+async fn wait_for_lock_wait(probe: &tokio_postgres::Client, app: &str, pattern: &str) {
     let sql = "SELECT 1 FROM pg_stat_activity WHERE application_name = $1
                 AND wait_event_type = 'Lock' AND query LIKE $2";
-    common::wait_for_row("a lock wait", sql, &[&format!("pgfence {app}"), &pattern]).await
+    let app = format!("pgfence {app}");
+    within(&format!("a lock wait in {pattern}"), async {
+        while probe.query(sql, &[&app, &pattern]).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
 }
 
 /// A server that hangs from the start: the opening waits for the answer to its connection's
@@ -258,7 +264,7 @@ async fn open_until_stopped_during_statistics_on_a_hung_server_gives_up_the_rele
         .drop_timeout(drop_timeout)
         .application_name(&app);
     let analyze_waiting_then_hang = async {
-        wait_for_lock_wait(&app, "ANALYZE%").await;
+        wait_for_lock_wait(&admin().await, &app, "ANALYZE%").await;
         // The renewal thread's own session exists (its first renewal has run).
         let renewing = "SELECT 1 FROM pg_stat_activity WHERE application_name = $1
                          AND query ILIKE '%UPDATE%' AND state = 'idle'";
@@ -298,15 +304,7 @@ async fn open_with_tls_gives_up_statistics_on_a_hung_server() {
 
     let started = Instant::now();
     let opening = tokio::spawn(builder().open());
-    let probe = cluster.connect().await.unwrap();
-    let waiting = "SELECT 1 FROM pg_stat_activity WHERE application_name = $1
-                    AND wait_event_type = 'Lock' AND query ILIKE 'ANALYZE%'";
-    within("ANALYZE waits for the lock", async {
-        while probe.query(waiting, &[&format!("pgfence {app}")]).await.unwrap().is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    wait_for_lock_wait(&cluster.connect().await.unwrap(), &app, "ANALYZE%").await;
     proxy.hang();
     let store =
         within("open() with statistics held up on a hung server", opening).await.unwrap().unwrap();
@@ -332,14 +330,7 @@ async fn open_until_with_tls_stopped_on_a_hung_server_returns() {
         .application_name(&app);
     let probe = cluster.connect().await.unwrap();
     let setup_waiting_then_hang = async {
-        let waiting = "SELECT 1 FROM pg_stat_activity WHERE application_name = $1
-                        AND wait_event_type = 'Lock'";
-        within("the setup waits for the setup lock", async {
-            while probe.query(waiting, &[&format!("pgfence {app}")]).await.unwrap().is_empty() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await;
+        wait_for_lock_wait(&probe, &app, "%").await;
         proxy.hang();
     };
     open_stopped_when(builder, setup_waiting_then_hang).await;
