@@ -207,8 +207,9 @@ impl Builder {
     /// startup and authentication, and then, timed again, the statement that sets the new
     /// session to read committed (so a pooled connection may take up to about twice this).
     /// Also the limit for the quick checks on a connection before `open()`'s setup, a cancel
-    /// request, the connection that creates a missing database, and releasing the lease of a
-    /// setup whose commit went unanswered. Each bounds a wait for an answer that a server that stopped
+    /// request, the connection that creates a missing database (not its `CREATE DATABASE`),
+    /// and releasing the lease of a setup whose commit went unanswered or whose renewal thread
+    /// could not start. Each bounds a wait for an answer that a server that stopped
     /// answering would never give. (A `connect_timeout` in the connection string bounds only
     /// the TCP connect, within this.)
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {

@@ -61,8 +61,30 @@ impl Tls {
                 (client, drive(connection, what, notifications))
             }
         };
+        // Aborted if this future is dropped while the `SET` waits (given up after a timeout,
+        // or the caller gone): the task would otherwise wait for the answer, left running on
+        // the runtime after the opening returned.
+        let task = AbortOnDrop(Some(task));
         client.batch_execute(sql::READ_COMMITTED).await?;
-        Ok((client, task))
+        Ok((client, task.detach()))
+    }
+}
+
+/// A connection's task, aborted when dropped unless [`AbortOnDrop::detach`]ed.
+pub(crate) struct AbortOnDrop(pub(crate) Option<JoinHandle<()>>);
+
+impl AbortOnDrop {
+    /// The task, no longer aborted on drop.
+    pub(crate) fn detach(mut self) -> JoinHandle<()> {
+        self.0.take().expect("not yet detached")
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
     }
 }
 

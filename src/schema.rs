@@ -337,8 +337,9 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 /// Creates the database named in `config` when it does not exist (connecting to the
 /// `postgres` database with the same credentials and TLS). A concurrent creation is not an
 /// error. Making that connection (its startup and its read-committed `SET`) is given up after
-/// `connect_timeout`, as the pool's are: a server that stopped answering would otherwise hold
-/// up a plain `open()` for good.
+/// `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed (it may
+/// legitimately take long: a template copy, a checkpoint), so a server that stops answering
+/// right then holds up a plain `open()` until it answers; the caller's stop ends that wait.
 pub(crate) async fn create_database(
     config: &tokio_postgres::Config,
     tls: &Tls,
@@ -355,9 +356,12 @@ pub(crate) async fn create_database(
     };
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+    // Aborted if this future is dropped while the statement waits (the caller of `open()`
+    // gone): nothing of the opening is left running on the runtime then.
+    let connection = crate::connect::AbortOnDrop(Some(connection));
     let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;
     drop(client);
-    let _ = connection.await; // Ends once the client is gone.
+    let _ = connection.detach().await; // Ends once the client is gone.
     match result {
         Ok(()) => {
             tracing::info!(database = %name, "pgfence created the database");

@@ -887,8 +887,8 @@ pub(crate) async fn detached<T: Send + 'static>(
 /// are answered, with a result or an error ([`Checkout::answered`]); dropped before, because
 /// the attempt was abandoned at the local deadline, or a read's caller dropped its future, or
 /// its task was dropped, it is taken out of the pool: the next user would otherwise queue
-/// behind the unanswered statement, on a hung server for good. (Its connection closes once the
-/// server answers, or the socket fails.)
+/// behind the unanswered statement, on a hung server for good. (Dropping it closes the
+/// connection at once: deadpool aborts the task of a connection taken out of its pool.)
 struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {
@@ -1005,9 +1005,9 @@ impl Builder {
     /// the cancel request, and acts on it at once): nothing of this opening is left running on
     /// the runtime, nor waiting on the server, so the runtime may shut down right after (at
     /// process exit, say). Against a server that stopped answering, it returns as promptly:
-    /// the connection waiting for it is given up (the server, if it ever answers again, rolls
-    /// back what was not committed; until then, or until the runtime shuts down, that
-    /// connection's task waits for the answer, and holds nothing else), a cancel request that cannot be delivered (over TLS it
+    /// the connection waiting for it is closed (its task aborted; the server, if it ever
+    /// answers again, rolls back what was not committed), a cancel request that cannot be
+    /// delivered (over TLS it
     /// needs the server's answer) is given up after `connect_timeout`, and so is the release
     /// of a commit that gets no answer (the lease, if the commit took it, then expires by its
     /// TTL); closing a store already opened waits up to `drop_timeout` for its release, as
@@ -1144,14 +1144,14 @@ impl Builder {
         let keeper = match Keeper::spawn(Arc::clone(&lease), keeper_config) {
             Ok(keeper) => keeper,
             Err(e) => {
-                // No renewal means no lease: give it back now rather than by TTL. Not waited
-                // for beyond `connect_timeout`, nor once the caller is gone (a server that
-                // stopped answering would hold the opening up for good); the lease then
+                // No renewal means no lease: give it back now rather than by TTL, whether or not
+                // the caller is still there. Not waited for beyond `connect_timeout` (a server
+                // that stopped answering would hold the opening up for good); the lease then
                 // expires by its TTL, and the connection, left with the release unanswered, is
                 // closed rather than handed back to the pool.
                 let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
                 let release = client.query(&statements.release, &params);
-                match answered_in_time(&mut caller, self.connect_timeout, release).await {
+                match tokio::time::timeout(self.connect_timeout, release).await.ok() {
                     Some(Ok(_)) => drop(client),
                     Some(Err(release)) => {
                         tracing::error!(error = %release, "pgfence could not release after a failed start");

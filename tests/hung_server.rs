@@ -400,3 +400,37 @@ async fn standby_does_not_wait_for_good_in_one_attempt_on_a_silent_connection() 
     assert!(proxy.held() > 0, "the silent connection was met");
     store.close().await.unwrap();
 }
+
+/// `Builder::open_until` promises that once it returned `Ok(None)`, "nothing of this opening is
+/// left running on the runtime, nor waiting on the server". A missing database, on a server
+/// that answers each connection's startup and nothing after it: the connection that creates
+/// the database waits for its `SET`, the stop comes, `Ok(None)`; that connection's task
+/// (`connect::Tls::connect` spawns it; unlike a pooled one's, nothing aborts it) is still alive
+/// on the runtime (the proxy runs on a runtime of its own, so the count is the opening's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_until_stopped_leaves_nothing_running_on_the_runtime() {
+    let server = common::server();
+    let proxy_rt = tokio::runtime::Runtime::new().unwrap();
+    let addr = server.tcp_addr().unwrap();
+    let proxy = proxy_rt.spawn(async move { Proxy::start(addr).await.unwrap() }).await.unwrap();
+    proxy.hang_after_client_chunks(1);
+    let mut config = server.config_via(proxy.addr());
+    config.dbname(pgfence::testing::unique_name("leftrunning"));
+    let builder =
+        PgKvStore::builder_from_config(config).table(table("leftrunning")).connect_timeout(NEVER);
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let before = metrics.num_alive_tasks();
+    let stop = async {
+        while proxy.held() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await
+        }
+    };
+    let opened = within("open_until", builder.open_until(stop)).await;
+    assert!(matches!(opened, Ok(None)), "{:?}", opened.as_ref().err());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = metrics.num_alive_tasks();
+    println!("alive tasks before {before}, after Ok(None) {after}");
+    drop(proxy);
+    proxy_rt.shutdown_background();
+    assert_eq!(after, before, "tasks of the opening still running after Ok(None)");
+}
