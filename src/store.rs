@@ -1007,12 +1007,11 @@ impl Builder {
     /// process exit, say). Against a server that stopped answering, it returns as promptly:
     /// the connection waiting for it is closed (its task aborted; the server, if it ever
     /// answers again, rolls back what was not committed), a cancel request that cannot be
-    /// delivered (over TLS it
-    /// needs the server's answer) is given up after `connect_timeout`, and so is the release
-    /// of a commit that gets no answer (the lease, if the commit took it, then expires by its
-    /// TTL); closing a store already opened waits up to `drop_timeout` for its release, as
-    /// [`PgKvStore::close`] does. `stop` is, for example, a signal, a shutdown channel or a
-    /// timer.
+    /// delivered (over TLS it needs the server's answer) is given up after `connect_timeout`,
+    /// and so is the release of a commit that gets no answer (the lease, if the commit took
+    /// it, then expires by its TTL); closing a store already opened waits up to
+    /// `drop_timeout` for its release, as [`PgKvStore::close`] does. `stop` is, for example, a
+    /// signal, a shutdown channel or a timer.
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.validate()?;
         // Dropped when the caller gives up: tells the task that nobody waits for the store.
