@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Markdown tables from the JSON output of `cargo run --release --example bench -- --json`.
+"""Markdown tables from the JSON output of the bench command
+(`cargo run --release -p pgfence-testing --example bench -- --json`).
 
 usage: scripts/bench_markdown.py RUN.json [RUN.json ...]
 
