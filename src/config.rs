@@ -166,7 +166,8 @@ impl Builder {
     /// of different keys: each key's order is kept) in one fenced statement, like a
     /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent writers this keeps throughput at the level of
     /// unfenced writes; below this many writers nothing waits. Each call still gets its own
-    /// result: if a shared statement fails, each of its mutations runs again alone. Batches
+    /// result: if a shared statement fails, each of its mutations runs again alone, still
+    /// within this many statements at once. Batches
     /// from [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let
     /// every mutation have a statement of its own while a connection is free.
     pub fn write_concurrency(mut self, statements: usize) -> Self {
