@@ -93,6 +93,9 @@ const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest `drop_timeout`: it also bounds the lease release, which cannot finish in no
+/// time (with zero, `close()` never released and a standby waited out the TTL).
+const MIN_DROP_TIMEOUT: Duration = Duration::from_millis(100);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// tokio-postgres's keepalive idle time when none is configured: an idle time other than this
 /// was set by the caller.
@@ -199,6 +202,9 @@ impl Builder {
     /// How long dropping the last handle (and outstanding operation) of a store waits for the
     /// lease release, and how long [`crate::PgKvStore::close`] waits for running operations
     /// before releasing anyway (default 5 s). Dropping never waits longer and never panics.
+    /// It also bounds the release itself, which may need a new connection and a round trip.
+    /// So it must be at least 100 ms, else `open()` fails with [`Error::InvalidConfig`].
+    /// Leave it well above a few round trips to the server.
     pub fn drop_timeout(mut self, timeout: Duration) -> Self {
         self.drop_timeout = timeout;
         self
@@ -355,6 +361,16 @@ impl Builder {
         // and on which a standby would wait forever.
         if self.application_name.contains('\0') {
             return Err(Error::config("application_name", "must not contain a NUL byte"));
+        }
+        if self.drop_timeout < MIN_DROP_TIMEOUT {
+            return Err(Error::config(
+                "drop_timeout",
+                format!(
+                    "{} ms is below the minimum of {} ms: the lease release would always time out",
+                    ms(self.drop_timeout),
+                    ms(MIN_DROP_TIMEOUT)
+                ),
+            ));
         }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect_timeout", "must be above zero"));
