@@ -54,6 +54,11 @@ pub(crate) enum Source {
 impl fmt::Debug for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            // A host with an '@' is most likely the rest of a password with an unescaped '@'
+            // in a URL: shown nowhere (`validate` refuses it).
+            Source::Config(config) if has_at_sign_host(config) => {
+                f.debug_tuple("Config").field(&"<hidden: a host contains '@'>").finish()
+            }
             // tokio_postgres::Config's Debug redacts the password.
             Source::Config(config) => f.debug_tuple("Config").field(config).finish(),
             Source::Pool(pool) => f.debug_tuple("Pool").field(&pool.status()).finish(),
@@ -66,7 +71,8 @@ impl fmt::Debug for Source {
 /// [`Builder::open`]. Created by [`crate::PgKvStore::builder`] (connection string),
 /// [`crate::PgKvStore::builder_from_config`] or [`crate::PgKvStore::builder_from_pool`].
 ///
-/// `Debug` never shows a password.
+/// `Debug` never shows a password, nor a host containing '@' (likely the rest of a password
+/// with an unescaped '@' in a URL; `open()` refuses such a host).
 #[derive(Debug, Clone)]
 pub struct Builder {
     pub(crate) source: Source,
@@ -375,6 +381,13 @@ impl Builder {
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect_timeout", "must be above zero"));
         }
+        if matches!(&self.source, Source::Config(config) if has_at_sign_host(config)) {
+            // Not echoed: it is probably part of a password.
+            return Err(Error::config(
+                "connection string",
+                "a host contains '@': percent-encode an '@' in the user name or password as %40",
+            ));
+        }
         match &self.source {
             Source::Pool(_) if self.tls.is_on() => {
                 return Err(Error::config(
@@ -404,6 +417,13 @@ impl Builder {
         }
         Ok(table)
     }
+}
+
+/// Whether a TCP host contains '@', which no host name or address does. A URL such as
+/// `postgres://app:hunter2@s3cr3t@host/db` (an unescaped '@' in the password) parses with the
+/// rest of the password in the host.
+fn has_at_sign_host(config: &tokio_postgres::Config) -> bool {
+    config.get_hosts().iter().any(|host| matches!(host, Host::Tcp(name) if name.contains('@')))
 }
 
 fn default_application_name() -> String {
