@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tokio_postgres::types::ToSql;
 use tracing::Instrument;
@@ -49,10 +49,18 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 /// An empty batch (or one whose every operation was superseded) runs no statement; it still
 /// fails with [`Error::Closed`] or [`Error::LeaseLost`] when the store is closed or has lost
 /// its lease.
+///
+/// An uncommitted batch does not keep the store alive. Dropping the last [`PgKvStore`] handle
+/// releases the lease even while a batch exists; its `commit` then returns [`Error::Closed`]
+/// and writes nothing. The future `commit` returns does keep the store alive until it is done.
 #[derive(Debug)]
 #[must_use = "a batch does nothing until `commit()` is called and awaited"]
 pub struct Batch {
-    inner: Arc<Inner>,
+    /// Weak: a batch being built must not hold the lease (and its renewal) after the store's
+    /// last handle is gone.
+    store: Weak<Inner>,
+    /// The store's limit, kept to check values as they are added.
+    max_value_size: usize,
     /// The last operation of each key; the map's order is the order key turns are taken in.
     ops: BTreeMap<(String, String, String), Mutation>,
     /// The first validation error, reported by `commit` before any SQL runs.
@@ -68,7 +76,12 @@ struct Entry {
 impl PgKvStore {
     /// Starts an empty atomic batch of puts and removes; see [`Batch`].
     pub fn batch(&self) -> Batch {
-        Batch { inner: Arc::clone(&self.inner), ops: BTreeMap::new(), invalid: None }
+        Batch {
+            store: Arc::downgrade(&self.inner),
+            max_value_size: self.inner.max_value_size,
+            ops: BTreeMap::new(),
+            invalid: None,
+        }
     }
 }
 
@@ -82,8 +95,13 @@ impl Batch {
         key: &str,
         value: Vec<u8>,
     ) -> Self {
-        let checked = check_key(primary_namespace, secondary_namespace, key)
-            .and_then(|()| self.inner.check_value(&value));
+        let max = self.max_value_size;
+        let checked = check_key(primary_namespace, secondary_namespace, key).and_then(|()| {
+            if value.len() > max {
+                return Err(Error::ValueTooLarge { len: value.len(), max });
+            }
+            Ok(())
+        });
         self.add(checked, primary_namespace, secondary_namespace, key, Mutation::Write(value));
         self
     }
@@ -127,30 +145,35 @@ impl Batch {
     /// Applies the batch atomically. Every key's place in the per-key order is taken now, in
     /// this call; the returned future does the work and may outlive the store handle. `Ok`
     /// means every operation that was not superseded by a later call committed, in one
-    /// transaction, under this store's lease.
+    /// transaction, under this store's lease. [`Error::Closed`] if every handle of the store
+    /// was dropped before this call.
     pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
-        let Batch { inner, ops, invalid } = self;
-        let span = tracing::debug_span!(
-            "pgfence",
-            operation = "batch",
-            table = %inner.table.display(),
-            ops = ops.len(),
-            epoch = inner.lease.epoch,
-        );
+        let Batch { store, ops, invalid, .. } = self;
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
         // the moment `commit` was called, whatever happens to the future afterwards.
-        let entries: Result<Vec<Entry>> = match invalid.or_else(|| too_large(&ops)) {
-            Some(e) => Err(e),
-            None => Ok(ops
-                .into_iter()
-                .map(|((primary, secondary, key), op)| Entry {
-                    ticket: inner.ticket(&primary, &secondary, &key),
-                    op,
-                })
-                .collect()),
+        let prepared = match (invalid.or_else(|| too_large(&ops)), store.upgrade()) {
+            (Some(e), _) => Err(e),
+            (None, None) => Err(Error::Closed),
+            (None, Some(inner)) => {
+                let span = tracing::debug_span!(
+                    "pgfence",
+                    operation = "batch",
+                    table = %inner.table.display(),
+                    ops = ops.len(),
+                    epoch = inner.lease.epoch,
+                );
+                let entries: Vec<Entry> = ops
+                    .into_iter()
+                    .map(|((primary, secondary, key), op)| Entry {
+                        ticket: inner.ticket(&primary, &secondary, &key),
+                        op,
+                    })
+                    .collect();
+                Ok((inner, entries, span))
+            }
         };
         async move {
-            let entries = entries?;
+            let (inner, entries, span) = prepared?;
             let store = Arc::clone(&inner);
             let work = async move { apply(&store, entries).await };
             admitted(&inner, work.instrument(span)).await

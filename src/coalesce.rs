@@ -17,7 +17,8 @@
 //!
 //! Errors: a group's statement that fails leaves every mutation of the group to run again on
 //! its own (writes are idempotent under a held turn), so each caller gets the error of its own
-//! mutation, and one failing mutation cannot fail the others. A lost lease or a closed store
+//! mutation, and one failing mutation cannot fail the others. Each re-run waits for a statement
+//! permit like any other, so `write_concurrency` bounds them too. A lost lease or a closed store
 //! fails each of them at once, before any SQL. A statement that may have committed (its
 //! connection broke after it was sent, and its retries did not settle it) is not run again:
 //! each caller gets `LeaseLost` with `WriteOutcomeUnknown`; nor is one that failed with a lost
@@ -157,7 +158,19 @@ impl Inner {
     ) -> Result<()> {
         match reported {
             Ok(Outcome::Done(result)) => result,
-            Ok(Outcome::Alone(mutation)) => self.apply_alone(path, &mutation).await,
+            // The re-run takes a statement like any other, so `write_concurrency` stays a
+            // bound. No deadlock: the caller holds no permit here (it drops the one it ran a
+            // group with before reading the report), and permit holders never wait for a
+            // key's turn.
+            Ok(Outcome::Alone(mutation)) => {
+                let _permit = self
+                    .coalescer
+                    .statements
+                    .acquire()
+                    .await
+                    .expect("the semaphore is never closed");
+                self.apply_alone(path, &mutation).await
+            }
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
             // server, so the key's order cannot be vouched for: fail closed.

@@ -54,6 +54,11 @@ pub(crate) enum Source {
 impl fmt::Debug for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            // A host with an '@' is most likely the rest of a password with an unescaped '@'
+            // in a URL: shown nowhere (`validate` refuses it).
+            Source::Config(config) if has_at_sign_host(config) => {
+                f.debug_tuple("Config").field(&"<hidden: a host contains '@'>").finish()
+            }
             // tokio_postgres::Config's Debug redacts the password.
             Source::Config(config) => f.debug_tuple("Config").field(config).finish(),
             Source::Pool(pool) => f.debug_tuple("Pool").field(&pool.status()).finish(),
@@ -66,7 +71,8 @@ impl fmt::Debug for Source {
 /// [`Builder::open`]. Created by [`crate::PgKvStore::builder`] (connection string),
 /// [`crate::PgKvStore::builder_from_config`] or [`crate::PgKvStore::builder_from_pool`].
 ///
-/// `Debug` never shows a password.
+/// `Debug` never shows a password, nor a host containing '@' (likely the rest of a password
+/// with an unescaped '@' in a URL; `open()` refuses such a host).
 #[derive(Debug, Clone)]
 pub struct Builder {
     pub(crate) source: Source,
@@ -93,6 +99,9 @@ const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest `drop_timeout`: it also bounds the lease release, which cannot finish in no
+/// time (with zero, `close()` never released and a standby waited out the TTL).
+const MIN_DROP_TIMEOUT: Duration = Duration::from_millis(100);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// tokio-postgres's keepalive idle time when none is configured: an idle time other than this
 /// was set by the caller.
@@ -166,7 +175,8 @@ impl Builder {
     /// of different keys: each key's order is kept) in one fenced statement, like a
     /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent writers this keeps throughput at the level of
     /// unfenced writes; below this many writers nothing waits. Each call still gets its own
-    /// result: if a shared statement fails, each of its mutations runs again alone. Batches
+    /// result: if a shared statement fails, each of its mutations runs again alone, still
+    /// within this many statements at once. Batches
     /// from [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let
     /// every mutation have a statement of its own while a connection is free.
     pub fn write_concurrency(mut self, statements: usize) -> Self {
@@ -198,6 +208,9 @@ impl Builder {
     /// How long dropping the last handle (and outstanding operation) of a store waits for the
     /// lease release, and how long [`crate::PgKvStore::close`] waits for running operations
     /// before releasing anyway (default 5 s). Dropping never waits longer and never panics.
+    /// It also bounds the release itself, which may need a new connection and a round trip.
+    /// So it must be at least 100 ms, else `open()` fails with [`Error::InvalidConfig`].
+    /// Leave it well above a few round trips to the server.
     pub fn drop_timeout(mut self, timeout: Duration) -> Self {
         self.drop_timeout = timeout;
         self
@@ -355,8 +368,25 @@ impl Builder {
         if self.application_name.contains('\0') {
             return Err(Error::config("application_name", "must not contain a NUL byte"));
         }
+        if self.drop_timeout < MIN_DROP_TIMEOUT {
+            return Err(Error::config(
+                "drop_timeout",
+                format!(
+                    "{} ms is below the minimum of {} ms: the lease release would always time out",
+                    ms(self.drop_timeout),
+                    ms(MIN_DROP_TIMEOUT)
+                ),
+            ));
+        }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect_timeout", "must be above zero"));
+        }
+        if matches!(&self.source, Source::Config(config) if has_at_sign_host(config)) {
+            // Not echoed: it is probably part of a password.
+            return Err(Error::config(
+                "connection string",
+                "a host contains '@': percent-encode an '@' in the user name or password as %40",
+            ));
         }
         match &self.source {
             Source::Pool(_) if self.tls.is_on() => {
@@ -387,6 +417,13 @@ impl Builder {
         }
         Ok(table)
     }
+}
+
+/// Whether a TCP host contains '@', which no host name or address does. A URL such as
+/// `postgres://app:hunter2@s3cr3t@host/db` (an unescaped '@' in the password) parses with the
+/// rest of the password in the host.
+fn has_at_sign_host(config: &tokio_postgres::Config) -> bool {
+    config.get_hosts().iter().any(|host| matches!(host, Host::Tcp(name) if name.contains('@')))
 }
 
 fn default_application_name() -> String {

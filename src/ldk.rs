@@ -62,11 +62,30 @@ use crate::{Builder, LeaseState, Page, PageToken, Standby};
 /// Open it with [`LdkStore::open`] (blocking) or [`LdkStore::open_async`] from any context,
 /// then hand it to LDK, usually in an `Arc`. Cloning is cheap and shares one store (one lease).
 /// Dropping the last handle (and the last outstanding operation) releases the lease and stops
-/// the store's runtime; it never panics, in any context.
+/// the store's runtime; it never panics, in any context. It is `RefUnwindSafe` and
+/// `UnwindSafe`, as LDK's test helpers require: a caught panic leaves it consistent or fail-closed.
 #[derive(Debug, Clone)]
 pub struct LdkStore {
     inner: blocking::PgKvStore,
 }
+
+// LDK's test helpers want `K: KVStoreSync + RefUnwindSafe`. The auto traits do not hold: the
+// store's state sits behind tokio's `Mutex`, `RwLock`, `Semaphore` and `watch`, and deadpool's
+// pool holds `dyn Fn` hooks, none of which implement them. The promise holds all the same:
+// after a caught panic, no caller sees a broken invariant.
+// - Every shared value changes in one step under its lock: the lease state is replaced whole,
+//   the renewal thread's handle is only ever taken out, and a key's applied version is set
+//   only after its statement committed (a turn dropped while unwinding records nothing). The
+//   key-order and queue maps are behind `std::sync::Mutex`es used whatever their poison.
+// - The gate (`RwLock<()>`) and the statement `Semaphore` guard no data; their guards and
+//   permits are given back by `Drop` while unwinding. So are pooled connections.
+// - A panic in the middle of an operation is a case the store is built for:
+//   `LeaseLossPolicy::Panic` raises one. The guards dropped while unwinding (a mutation whose
+//   statement may have been sent) make the store fail closed, so a caller who catches the
+//   panic gets `LeaseLost` from then on, never a write out of order.
+// - The hooks and the connector are set at open and never change.
+impl std::panic::RefUnwindSafe for LdkStore {}
+impl std::panic::UnwindSafe for LdkStore {}
 
 impl LdkStore {
     /// Opens the store, blocking the calling thread (any thread, inside a runtime or not). See

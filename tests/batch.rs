@@ -432,3 +432,25 @@ async fn batch_statements_are_planned_once_per_connection() {
     drop(client);
     store.close().await.unwrap();
 }
+
+/// An uncommitted batch does not keep the store alive: dropping the last store handle releases
+/// the lease at once (another store opens long before the TTL), and committing the batch
+/// afterwards fails with `Closed`, as any operation of a closed store does, writing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncommitted_batch_does_not_keep_the_lease() {
+    let table = common::table("batch_drop");
+    let long = || {
+        common::builder(&table)
+            .lease_ttl(std::time::Duration::from_secs(600))
+            .renew_interval(std::time::Duration::from_secs(60))
+    };
+    let store = long().open().await.unwrap();
+    let batch = store.batch().put(NS, SUB, "k", b"v".to_vec());
+    drop(store);
+    // Opening fails fast with `LeaseHeld` while the first store still holds the lease.
+    let next = within("open after the drop", long().open()).await.expect("the lease was released");
+    let e = batch.commit().await.unwrap_err();
+    assert!(matches!(e, Error::Closed), "{e:?}");
+    assert!(rows(&table).await.is_empty(), "nothing written");
+    next.close().await.unwrap();
+}

@@ -372,3 +372,75 @@ fn boxed(
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = pgfence::Result<()>> + Send>> {
     Box::pin(f)
 }
+
+/// `write_concurrency` bounds the single-key write statements that run at once, also when a
+/// shared statement fails and each of its mutations runs again alone (the re-runs take a
+/// statement too). Every statement here blocks on an administrator's row locks until the
+/// server cancels it (`statement_timeout`), and the test counts the store's statements that
+/// the server shows running, throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn re_runs_of_a_failed_shared_statement_stay_within_write_concurrency() {
+    let table = common::table("coal_bound");
+    let app = table.clone();
+    let mut config = common::server().config();
+    // Long enough for the queue to form behind the first statement; each statement waits it out.
+    config.options("-c statement_timeout=1000");
+    let store = PgKvStore::builder_from_config(config)
+        .table(&table)
+        .application_name(&app)
+        .pool_size(8)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(5))
+        .write_concurrency(1)
+        .open()
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        store.write(NS, SUB, key, b"0".to_vec()).await.unwrap();
+    }
+    let mut locker = common::admin().await;
+    let tx = locker.transaction().await.unwrap();
+    let lock = format!("SELECT key FROM \"{table}\" WHERE key = ANY($1) FOR UPDATE");
+    assert_eq!(tx.query(&lock, &[&keys]).await.unwrap().len(), keys.len(), "every row locked");
+
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let pattern = format!("%\"{table}\"%");
+    let monitor = tokio::spawn(async move {
+        let db = common::admin().await;
+        let sql = "SELECT count(*) FROM pg_stat_activity
+                    WHERE application_name = $1 AND state = 'active' AND query LIKE $2";
+        let app = format!("pgfence {app}");
+        let mut most = 0;
+        loop {
+            let running: i64 = db.query_one(sql, &[&app, &pattern]).await.unwrap().get(0);
+            most = most.max(running);
+            tokio::select! {
+                _ = &mut stopped => return most,
+                () = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+        }
+    });
+
+    // The first write takes the one statement and blocks; the others queue behind it, share
+    // the next statement, which blocks and is cancelled too, and then run again alone.
+    let first = tokio::spawn(store.write(NS, SUB, &keys[0], b"1".to_vec()));
+    common::wait_for_query_lock_wait(&format!("%\"{table}\"%")).await;
+    let queued: Vec<Call> = keys[1..]
+        .iter()
+        .map(|key| tokio::spawn(store.write(NS, SUB, key, b"1".to_vec())))
+        .collect();
+    for call in std::iter::once(first).chain(queued) {
+        let e = within("a blocked write", call).await.unwrap().unwrap_err();
+        let canceled = matches!(&e, Error::Database { source, .. }
+            if source.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED));
+        assert!(canceled, "each write gets its own cancellation: {e:?}");
+    }
+    stop.send(()).unwrap();
+    let most = within("the monitor", monitor).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(most >= 1, "the monitor saw the store's statements run");
+    assert_eq!(most, 1, "at most write_concurrency (1) write statements ran at once");
+    assert!(matches!(*store.lease_state().borrow(), pgfence::LeaseState::Held { .. }));
+    store.close().await.unwrap();
+}

@@ -250,3 +250,31 @@ async fn application_name_with_a_nul_byte_is_invalid_config() {
     assert!(matches!(e, Error::InvalidConfig { field: "application_name", .. }), "{e:?}");
     assert_eq!(tables_like(&t).await, 0, "nothing created");
 }
+
+/// A password with an unescaped `@` in a URL (`postgres://app:hunter2@s3cr3t@host/db`): the
+/// parser takes the rest of the password for part of the host. Such a URL is refused at open
+/// (`InvalidConfig`, no SQL, no connection), and neither the builder's `Debug` nor the error
+/// shows that part of the password. A host given in a `Config` is checked the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_with_an_unescaped_at_sign_is_refused_and_never_shown() {
+    let secret = "s3cr3t";
+    let server = common::server();
+    let t = table("atpw");
+    let url = format!("postgres://app:hunter2@{secret}@127.0.0.1:{}/postgres", server.port());
+    let mut config = tokio_postgres::Config::new();
+    config.user("app").password("hunter2").host(format!("{secret}@127.0.0.1")).port(server.port());
+    for b in [PgKvStore::builder(&url), PgKvStore::builder_from_config(config)] {
+        let b = b.table(&t).connect_timeout(Duration::from_secs(1));
+        let debug = format!("{b:?}");
+        assert!(!debug.contains(secret), "Debug of the builder hides it: {debug}");
+        let e = b.open().await.unwrap_err();
+        let shown = format!(
+            "{e} {e:?} {}",
+            std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()
+        );
+        assert!(matches!(e, Error::InvalidConfig { field: "connection string", .. }), "{shown}");
+        assert!(!shown.contains(secret), "errors never show it: {shown}");
+        assert!(shown.contains("'@'"), "the error says what is wrong: {shown}");
+    }
+    assert_eq!(tables_like(&t).await, 0, "nothing created");
+}

@@ -489,3 +489,13 @@ async fn abandoned_async_open_at_the_fence_leaves_nothing_running() {
     let (_, epoch, ms_left) = common::lease_row(&common::admin().await, &t).await;
     assert_eq!((epoch, ms_left <= 0), (1, true), "nobody took the lease");
 }
+
+/// `LdkStore` can go where LDK's own test helpers want a store (`K: KVStoreSync +
+/// RefUnwindSafe`): it holds no interior mutability that a caught panic could leave half-done
+/// without a lock noticing. A compile-time check: this file does not build otherwise.
+#[test]
+fn ldk_store_is_unwind_safe() {
+    fn unwind_safe<T: std::panic::RefUnwindSafe + std::panic::UnwindSafe>() {}
+    unwind_safe::<LdkStore>();
+    unwind_safe::<Arc<LdkStore>>();
+}

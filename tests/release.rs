@@ -278,3 +278,20 @@ fn drop_with_the_database_unreachable_is_bounded() {
     runtime.block_on(async move { drop(a) });
     assert!(started.elapsed() < DROP_BOUND, "{:?}", started.elapsed());
 }
+
+/// A `drop_timeout` too short for any release (below 100 ms) is refused by `open()`
+/// (`InvalidConfig`), before any statement runs: `close()` could never release the lease and
+/// a standby would wait out the TTL. 100 ms opens, and closing it releases the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drop_timeout_below_100_ms_is_refused() {
+    let t = table("droptime");
+    for timeout in [Duration::ZERO, Duration::from_nanos(1), Duration::from_millis(99)] {
+        let e = long_lease(&t).drop_timeout(timeout).open().await.unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { field: "drop_timeout", .. }), "{e:?}");
+    }
+    assert!(!common::table_exists(&admin().await, &t).await, "no statement ran");
+    let store = long_lease(&t).drop_timeout(Duration::from_millis(100)).open().await.unwrap();
+    store.close().await.expect("the release fits in 100 ms");
+    let (_, _, ms_left) = lease_row(&admin().await, &t).await;
+    assert!(ms_left <= 0, "released, not left to expire: {ms_left} ms left");
+}
