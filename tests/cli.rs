@@ -14,11 +14,30 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{CERT_ROLE, TestCluster, TestServer, unique_name};
+use pgfence::testing::{
+    CERT_ROLE, PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD, TestCluster, TestServer, unique_name,
+};
 use serde_json::Value;
 use tokio_postgres::NoTls;
 
 const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
+
+/// libpq's environment, which `pgfence` reads: removed from every spawned process unless the
+/// test sets it, so the test runner's own environment cannot change what a test connects to.
+const LIBPQ_VARIABLES: [&str; 12] = [
+    "PGHOST",
+    "PGPORT",
+    "PGUSER",
+    "PGDATABASE",
+    "PGPASSWORD",
+    "PGPASSFILE",
+    "PGAPPNAME",
+    "PGCONNECT_TIMEOUT",
+    "PGSSLMODE",
+    "PGSSLROOTCERT",
+    "PGSSLCERT",
+    "PGSSLKEY",
+];
 
 /// Bound on any single wait: only a hang should ever reach it.
 const GUARD: Duration = Duration::from_secs(60);
@@ -53,6 +72,9 @@ impl Guard {
         let mut command = Command::new(BIN);
         if !url.is_empty() {
             command.args(["--database-url", url]);
+        }
+        for variable in LIBPQ_VARIABLES {
+            command.env_remove(variable);
         }
         command
             .args(["--table", table])
@@ -795,11 +817,12 @@ fn empty_environment_variables_count_as_unset() {
         ("PGFENCE_TLS_KEY", ""),
         ("DATABASE_URL", ""),
     ];
+    run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &empty).expect(0, "put");
     for set in empty.iter().map(std::slice::from_ref).chain([&empty[..]]) {
         let status = run_env(&url, &table, &["status"], None, set);
-        assert_eq!(status.expect(0, &format!("{set:?}")).stdout(), "free (never held)\n");
+        let status = status.expect(0, &format!("{set:?}")).stdout();
+        assert!(status.starts_with("free (last epoch 1, last holder pgfence "), "{status}");
     }
-    run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &empty).expect(0, "put");
     for option in ["--tls-root-cert", "--tls-cert", "--tls-key"] {
         run(&url, &table, &["status", option, ""], None).expect(2, &format!("{option} \"\""));
     }
@@ -812,11 +835,8 @@ fn empty_environment_variables_count_as_unset() {
 #[test]
 fn one_shot_commands_round_trip() {
     let (url, table) = (server().url(), unique_name("cli_oneshot"));
-    let free = run(&url, &table, &["status"], None);
-    assert_eq!(free.expect(0, "status").stdout(), "free (never held)\n");
-    let json: Value =
-        serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
-    assert_eq!(json, serde_json::json!({ "state": "free", "epoch": null }));
+    let missing = run(&url, &table, &["status"], None);
+    missing.expect(6, "status of a table nothing created yet");
 
     run(&url, &table, &["put", "app", "cfg", "greeting", "hello"], None).expect(0, "put VALUE");
     let binary = b"\x00\xffbinary\n".to_vec();
@@ -838,11 +858,10 @@ fn one_shot_commands_round_trip() {
 
     let status: Value =
         serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
-    assert_eq!(
-        status,
-        serde_json::json!({ "state": "free", "epoch": 3 }),
-        "each put took and released the lease"
-    );
+    assert_eq!(status["state"], "free", "{status}");
+    assert_eq!(status["epoch"], 3, "each put took and released the lease: {status}");
+    let holder = status["holder"].as_str().unwrap_or_default();
+    assert!(holder.starts_with("pgfence "), "the last holder is kept: {status}");
 
     // Export to a file, import into a fresh table, export again: the same lines.
     let dir = std::env::temp_dir().join(unique_name("cli_export"));
@@ -884,7 +903,8 @@ fn usage_and_config_errors_exit_2() {
     let (url, table) = (server().url(), unique_name("cli_usage"));
     let help = run(&url, &table, &["--help"], None);
     let text = help.expect(0, "--help").stdout();
-    for code in ["0  ok", "2  usage", "3  lease held", "4  key not found", "5  lease lost", "TLS"] {
+    let codes = ["0  ok", "2  usage", "3  lease held", "4  key not found", "5  lease lost"];
+    for code in codes.into_iter().chain(["6  no such database or table", "TLS", "PGPASSWORD"]) {
         assert!(text.contains(code), "--help documents {code:?}: {text}");
     }
     let cases: &[&[&str]] = &[
@@ -943,4 +963,291 @@ fn bad_input_is_refused_before_taking_the_lease() {
     not_utf8.expect(2, "import of bytes that are not UTF-8");
     assert!(not_utf8.stderr.contains("line 1"), "{not_utf8:?}");
     assert_eq!(epoch(&url, &table), before, "no lease was taken");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operator's first hour (issue 18)
+// ---------------------------------------------------------------------------------------------
+
+/// A key-value connection string for database `name` on the test server, as its
+/// administrator.
+fn url_for_database(name: &str) -> String {
+    let config = server().config();
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let user = config.get_user().expect("the administrator's user name");
+    let mut url = format!("host={} port={} user={user} dbname={name}", addr.ip(), addr.port());
+    if let Some(password) = config.get_password() {
+        let password = String::from_utf8_lossy(password);
+        url.push_str(&format!(
+            " password='{}'",
+            password.replace('\\', "\\\\").replace('\'', "\\'")
+        ));
+    }
+    url
+}
+
+/// Finding 1: a mistyped table or database is reported (exit 6) by the commands that only
+/// read, and nothing is created; a write command creates a missing database only with
+/// `--create-database`, and creates the table as the library does.
+#[test]
+fn reads_create_nothing_and_a_missing_table_or_database_exits_6() {
+    let (url, table) = (server().url(), unique_name("cli_typo"));
+    let schema = unique_name("cli_nosuchschema");
+    let in_schema = format!("{schema}.t");
+    let reads: [&[&str]; 6] = [
+        &["status"],
+        &["status", "--json"],
+        &["get", "a", "b", "c"],
+        &["ls", "a", "b"],
+        &["export"],
+        &["release", "--force", "--yes"],
+    ];
+    for name in [table.as_str(), in_schema.as_str()] {
+        for args in reads {
+            let ran = run(&url, name, args, None);
+            ran.expect(6, &format!("{args:?} with --table {name}"));
+            assert!(ran.stderr.contains(&format!("no table {name} ")), "{ran:?}");
+            assert!(ran.stdout.is_empty(), "{ran:?}");
+        }
+    }
+    let created = format!(
+        "SELECT relname FROM pg_class WHERE relname LIKE '{table}%' \
+         UNION ALL SELECT nspname FROM pg_namespace WHERE nspname = '{schema}'"
+    );
+    assert!(query(&server().config(), &created).is_empty(), "a read created something");
+
+    let database = unique_name("cli_nodb");
+    let db_url = url_for_database(&database);
+    let exists = || {
+        let sql = format!("SELECT 1 FROM pg_database WHERE datname = '{database}'");
+        !query(&server().config(), &sql).is_empty()
+    };
+    let commands: [&[&str]; 5] = [
+        &["status"],
+        &["get", "a", "b", "c"],
+        &["put", "a", "b", "c", "v"],
+        &["rm", "a", "b", "c"],
+        &["hold", "--wait"],
+    ];
+    for args in commands {
+        let ran = run(&db_url, &table, args, None);
+        ran.expect(6, &format!("{args:?} on a missing database"));
+        assert!(ran.stderr.contains(&format!("database \"{database}\" does not exist")), "{ran:?}");
+    }
+    let import = run(&db_url, &table, &["import"], Some(b""));
+    import.expect(6, "import into a missing database");
+    assert!(!exists(), "a command created the database unasked");
+
+    let put = ["put", "--create-database", "a", "b", "c", "v"];
+    run(&db_url, &table, &put, None).expect(0, "put --create-database");
+    assert!(exists(), "--create-database creates the database");
+    assert_eq!(run(&db_url, &table, &["get", "a", "b", "c"], None).expect(0, "get").stdout, b"v");
+    // A write command creates the table, as the library does.
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put into a new table");
+    run(&url, &table, &["status"], None).expect(0, "status once a store opened the table");
+}
+
+/// Finding 2: `put` reads stdin only when the value is `-` (or `--value-file -`): a forgotten
+/// value, with stdin empty or not a terminal (cron, CI), is a usage error and the key keeps
+/// its value.
+#[test]
+fn put_reads_stdin_only_when_the_value_is_a_dash() {
+    let (url, table) = (server().url(), unique_name("cli_stdin"));
+    let key = ["app", "cfg", "greeting"];
+    let get = |what: &str| {
+        run(&url, &table, &["get", key[0], key[1], key[2]], None).expect(0, what).stdout.clone()
+    };
+    run(&url, &table, &["put", key[0], key[1], key[2], "hello"], None).expect(0, "put");
+    for stdin in [None, Some(&b""[..]), Some(&b"piped"[..])] {
+        let ran = run(&url, &table, &["put", key[0], key[1], key[2]], stdin);
+        ran.expect(2, &format!("put without a value, stdin {stdin:?}"));
+        assert!(ran.stderr.contains("VALUE"), "{ran:?}");
+    }
+    assert_eq!(get("after the refused puts"), b"hello");
+
+    run(&url, &table, &["put", key[0], key[1], key[2], "-"], Some(b"dash")).expect(0, "put -");
+    assert_eq!(get("put -"), b"dash");
+    let from_stdin = ["put", key[0], key[1], key[2], "--value-file", "-"];
+    run(&url, &table, &from_stdin, Some(b"file dash")).expect(0, "--value-file -");
+    assert_eq!(get("--value-file -"), b"file dash");
+    let dir = std::env::temp_dir().join(unique_name("cli_valuefile"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("value.bin");
+    std::fs::write(&file, b"\x00from a file\xff").unwrap();
+    let from_file = ["put", key[0], key[1], key[2], "--value-file", file.to_str().unwrap()];
+    run(&url, &table, &from_file, None).expect(0, "--value-file FILE");
+    assert_eq!(get("--value-file FILE"), b"\x00from a file\xff");
+    let both = ["put", key[0], key[1], key[2], "v", "--value-file", file.to_str().unwrap()];
+    run(&url, &table, &both, None).expect(2, "VALUE and --value-file");
+    let missing = dir.join("missing");
+    let unreadable = ["put", key[0], key[1], key[2], "--value-file", missing.to_str().unwrap()];
+    run(&url, &table, &unreadable, None).expect(2, "--value-file of a missing file");
+    assert_eq!(get("after the refused puts"), b"\x00from a file\xff");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Finding 7: `hold --write-every 0` would write in a tight loop: refused, before anything
+/// connects (the table is never created).
+#[test]
+fn hold_refuses_write_every_0() {
+    let (url, table) = (server().url(), unique_name("cli_every0"));
+    let ran = run(&url, &table, &["hold", "--write-every", "0", "--counter-key", "k"], None);
+    ran.expect(2, "--write-every 0");
+    assert!(ran.stderr.contains("--write-every"), "{ran:?}");
+    run(&url, &table, &["status"], None).expect(6, "no lease was ever taken");
+}
+
+/// Finding 6: no colour codes on a stderr that is not a terminal; the loss of the lease is one
+/// error line, not a log line and an error line; a successful force release prints no warning.
+#[test]
+fn logs_are_plain_and_one_line_per_error() {
+    let (url, table) = (server().url(), unique_name("cli_logs"));
+    // A standby against a refusing server logs its retries.
+    let refused = "postgres://postgres@127.0.0.1:1/postgres";
+    let standby = Holder::spawn("W", refused, &table, &["--wait"]);
+    let deadline = Instant::now() + GUARD;
+    while !standby.stderr().contains("retrying") {
+        assert!(Instant::now() < deadline, "no warning from the standby: {}", standby.stderr());
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!standby.stderr().contains('\x1b'), "colour codes on a pipe: {:?}", standby.stderr());
+    drop(standby);
+
+    let mut a = Holder::spawn("A", &url, &table, &["--ttl", "6"]);
+    let epoch = a.acquired().int("epoch");
+    let released = run(&url, &table, &["release", "--force", "--yes"], None);
+    released.expect(0, "release --force --yes");
+    assert_eq!(released.stderr, "", "a successful release warns of nothing");
+    assert_eq!(a.exit_code(), Some(5), "A: {:?}; stderr: {}", a.events(), a.stderr());
+    let stderr = a.stderr();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 1 && lines[0].starts_with(&format!("pgfence: lease lost (epoch {epoch})")),
+        "one error line: {stderr:?}"
+    );
+}
+
+/// Finding 3: libpq's environment. Without a connection string, `PGHOST`, `PGPORT`, `PGUSER`
+/// and `PGDATABASE` name the server; `PGPASSWORD`, `PGPASSFILE` and `~/.pgpass` (ignored with a
+/// warning if others may read it) give the password; a connection string wins over all of
+/// them; TLS modes that need certificate authorities, and bad values, are usage errors.
+#[test]
+fn libpq_environment_names_the_server_and_the_password() {
+    let (url, table) = (server().url(), unique_name("cli_libpq"));
+    let config = server().config();
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let (host, port) = (addr.ip().to_string(), addr.port().to_string());
+    let admin = config.get_user().expect("the administrator");
+    let dbname = config.get_dbname().unwrap_or(admin).to_owned();
+    let admin_password = config.get_password().map(|p| String::from_utf8_lossy(p).into_owned());
+    let home = std::env::temp_dir().join(unique_name("cli_home"));
+    std::fs::create_dir_all(&home).unwrap();
+    let home_str = home.to_str().unwrap().to_owned();
+    let server_env = |user: &'static str| {
+        let user = if user.is_empty() { admin } else { user };
+        vec![
+            ("PGHOST", host.clone()),
+            ("PGPORT", port.clone()),
+            ("PGUSER", user.to_owned()),
+            ("PGDATABASE", dbname.clone()),
+            ("HOME", home_str.clone()),
+        ]
+    };
+    let with = |base: Vec<(&'static str, String)>, extra: &[(&'static str, &str)]| {
+        let mut env = base;
+        env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
+        env
+    };
+    let run_with = |url: &str, args: &[&str], env: &[(&'static str, String)]| {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run_env(url, &table, args, None, &env)
+    };
+
+    let mut env = server_env("");
+    if let Some(password) = &admin_password {
+        env.push(("PGPASSWORD", password.clone()));
+    }
+    run_with("", &["put", "a", "b", "c", "v"], &env).expect(0, "put with libpq's environment");
+    assert_eq!(run_with("", &["get", "a", "b", "c"], &env).expect(0, "get").stdout, b"v");
+    // A connection string wins: a wrong PGPORT and PGUSER beside it are not used.
+    let wrong = [("PGPORT", "1".to_owned()), ("PGUSER", "nobody".to_owned())];
+    run_with(&url, &["get", "a", "b", "c"], &wrong).expect(0, "the URL wins");
+    run_with("", &["status"], &[("HOME", home_str.clone())]).expect(2, "nothing names a server");
+
+    // The password role, allowed to read the table.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(server().ensure_password_role()).expect("the password role");
+    let grant = format!("GRANT SELECT ON \"{table}\", \"{table}_lease\" TO {PASSWORD_ROLE}");
+    query(&config, &grant);
+    let role = server_env(PASSWORD_ROLE);
+    let status =
+        run_with("", &["status"], &with(role.clone(), &[("PGPASSWORD", PASSWORD_ROLE_PASSWORD)]));
+    assert!(
+        status.expect(0, "PGPASSWORD").stdout().starts_with("free (last epoch 1"),
+        "{status:?}"
+    );
+    let secret = "wrong-secret-9d41";
+    let refused = run_with("", &["status"], &with(role.clone(), &[("PGPASSWORD", secret)]));
+    refused.expect(1, "a wrong PGPASSWORD");
+    assert!(refused.stderr.contains("password authentication failed"), "{refused:?}");
+    assert!(refused.stderr.contains(&format!("{host}:{port}")), "names the server: {refused:?}");
+    assert!(!refused.stderr.contains(secret), "never the password: {refused:?}");
+
+    // A password file: the first matching line wins; `*` matches anything.
+    let passfile = home.join("pgfence.pgpass");
+    let lines = format!(
+        "# comment\nother-host:*:*:*:nope\n{host}:{port}:*:{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}\n*:*:*:*:nope\n"
+    );
+    std::fs::write(&passfile, &lines).unwrap();
+    let chmod = |path: &std::path::Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    chmod(&passfile, 0o600);
+    let passfile_env = with(role.clone(), &[("PGPASSFILE", passfile.to_str().unwrap())]);
+    run_with("", &["status"], &passfile_env).expect(0, "PGPASSFILE");
+    chmod(&passfile, 0o644);
+    let ignored = run_with("", &["status"], &passfile_env);
+    assert_eq!(ignored.code, Some(1), "a password file others may read is ignored: {ignored:?}");
+    let lines: Vec<&str> = ignored.stderr.lines().collect();
+    assert!(
+        lines.len() == 2
+            && lines[0].starts_with("pgfence: warning: password file")
+            && lines[0].contains("group or world access")
+            && lines[1].contains("password"),
+        "{ignored:?}"
+    );
+    // ~/.pgpass when PGPASSFILE is not set.
+    let dot_pgpass = home.join(".pgpass");
+    let line = format!("{host}:{port}:*:{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}\n");
+    std::fs::write(&dot_pgpass, line).unwrap();
+    chmod(&dot_pgpass, 0o600);
+    run_with("", &["status"], &role).expect(0, "~/.pgpass");
+
+    // TLS asked for without certificate authorities, and values that make no sense.
+    for (name, value) in [
+        ("PGSSLMODE", "verify-full"),
+        ("PGSSLMODE", "require"),
+        ("PGSSLMODE", "sometimes"),
+        ("PGCONNECT_TIMEOUT", "soon"),
+        ("PGPORT", "port"),
+    ] {
+        let ran = run_with("", &["status"], &with(role.clone(), &[(name, value)]));
+        ran.expect(2, &format!("{name}={value}"));
+        assert!(ran.stderr.contains(name) || ran.stderr.contains("sslmode"), "{ran:?}");
+    }
+    std::fs::remove_dir_all(&home).unwrap();
+}
+
+/// Finding 8: `imported 1 key`, and an input file that cannot be opened is a bad input file
+/// (exit 2, as the table of exit codes says).
+#[test]
+fn import_wording_and_a_missing_input_file() {
+    let (url, table) = (server().url(), unique_name("cli_import1"));
+    let row = "{\"primary_namespace\":\"a\",\"secondary_namespace\":\"b\",\"key\":\"c\",\"value\":\"dg==\"}\n";
+    let imported = run(&url, &table, &["import"], Some(row.as_bytes()));
+    assert_eq!(imported.expect(0, "import").stdout(), "imported 1 key\n");
+    let missing = std::env::temp_dir().join(unique_name("cli_nonexistent"));
+    let ran = run(&url, &table, &["import", "--in", missing.to_str().unwrap()], None);
+    ran.expect(2, "import --in a missing file");
 }

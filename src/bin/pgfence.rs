@@ -7,6 +7,9 @@
 //! exit code; nothing panics.
 #![forbid(unsafe_code)]
 
+#[path = "pgfence/libpq_env.rs"]
+mod libpq_env;
+
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
@@ -31,6 +34,13 @@ Exit codes:
   3  lease held by another store (put, rm, import, hold without --wait)
   4  key not found (get)
   5  lease lost (hold: taken over, force-released, or renewal failed)
+  6  no such database or table (nothing was created: check --database-url and --table)
+
+The connection: --database-url, else $DATABASE_URL, with libpq's environment filling what it
+leaves out (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGPASSFILE or ~/.pgpass, PGAPPNAME,
+PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY). Commands that only read
+(status, get, ls, export, release) never create anything; put, rm, import and hold create the
+table, but a database only with --create-database.
 
 Without --tls-root-cert, connections are plain TCP or Unix socket (and sslmode=require is
 refused); with it, every connection requires TLS and a server certificate from those roots (a
@@ -76,6 +86,10 @@ struct Cli {
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
     table: String,
 
+    /// Write commands (put, rm, import, hold): create the database if it does not exist.
+    #[arg(long, global = true)]
+    create_database: bool,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -94,9 +108,17 @@ enum Command {
     Put {
         #[command(flatten)]
         key: KeyArgs,
-        /// The value; `-` or nothing reads it from stdin.
-        #[arg(value_name = "VALUE", allow_hyphen_values = true)]
+        /// The value; `-` reads it from stdin.
+        #[arg(
+            value_name = "VALUE",
+            allow_hyphen_values = true,
+            required_unless_present = "value_file",
+            conflicts_with = "value_file"
+        )]
         value: Option<OsString>,
+        /// Read the value from FILE instead (`-`: stdin).
+        #[arg(long, value_name = "FILE")]
+        value_file: Option<PathBuf>,
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
@@ -165,7 +187,12 @@ struct HoldArgs {
 
     /// Every MS milliseconds, write an increasing counter, continuing from the key's current
     /// value: `{"counter":N,"epoch":E}`.
-    #[arg(long, value_name = "MS", requires = "counter_key")]
+    #[arg(
+        long,
+        value_name = "MS",
+        requires = "counter_key",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     write_every: Option<u64>,
 
     /// The counter's key: `KEY` (in namespace pgfence/hold) or `NS/SUB/KEY`.
@@ -192,6 +219,11 @@ impl Exit {
 
     fn other(context: &str, error: &(dyn std::error::Error + 'static)) -> Exit {
         Exit { code: 1, message: format!("{context}: {}", chain(error)) }
+    }
+
+    /// Exit 6: the database or table the command names does not exist.
+    fn missing(message: impl Into<String>) -> Exit {
+        Exit { code: 6, message: message.into() }
     }
 }
 
@@ -265,10 +297,35 @@ fn parse_cli() -> Result<Cli, clap::Error> {
 
 /// The library reports renewal retries, failed releases and fallbacks through `tracing`:
 /// show warnings and errors on stderr (`RUST_LOG` overrides, e.g. `RUST_LOG=pgfence=debug`).
+/// Colour only on a terminal, and never with `NO_COLOR` set (<https://no-color.org>).
 fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(io::stderr).init();
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let ansi = io::stderr().is_terminal() && !no_color;
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(io::stderr)
+        .with_ansi(ansi)
+        .with_filter(filter)
+        .with_filter(tracing_subscriber::filter::filter_fn(|event| !reported_by_the_cli(event)));
+    tracing_subscriber::registry().with(layer).init();
+}
+
+/// The library's events that the CLI reports itself, which would otherwise say the same thing
+/// twice: the lease loss (the `lost` event and the exit-5 error line) and an operator's force
+/// release (the `release` command's own output). Recognised by level, module and a field only
+/// they have, as the library gives its events no stable names.
+fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
+    let has = |field: &str| event.fields().field(field).is_some();
+    match event.target() {
+        "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
+        "pgfence::failover" => *event.level() == tracing::Level::WARN && has("holder"),
+        _ => false,
+    }
 }
 
 fn fail(exit: Exit) -> ExitCode {
@@ -311,16 +368,17 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     fail(Exit::usage(line))
 }
 
-/// The TLS client configuration of `--tls-root-cert` (trusting exactly the certificates in
-/// that PEM file) and, if given, `--tls-cert` and `--tls-key`; `None` without `--tls-root-cert`.
-fn tls_config(cli: &Cli) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
+/// The TLS client configuration of `--tls-root-cert` or `PGSSLROOTCERT` (trusting exactly the
+/// certificates in that PEM file) and, if given, the client certificate and key; `None`
+/// without certificate authorities.
+fn tls_config(files: &libpq_env::TlsFiles) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
     use pgfence::rustls::pki_types::{PrivateKeyDer, pem::PemObject};
-    let Some(root_path) = &cli.tls_root_cert else { return Ok(None) };
+    let Some(root_path) = &files.root_cert else { return Ok(None) };
     let mut roots = pgfence::rustls::RootCertStore::empty();
     for cert in pem_certs("--tls-root-cert", root_path)? {
         roots.add(cert).map_err(|e| bad_file("--tls-root-cert", root_path, e))?;
     }
-    let (Some(cert_path), Some(key_path)) = (&cli.tls_cert, &cli.tls_key) else {
+    let Some((cert_path, key_path)) = &files.client else {
         return Ok(Some(pgfence::tls_client_config(roots)));
     };
     let chain = pem_certs("--tls-cert", cert_path)?;
@@ -350,13 +408,55 @@ fn bad_file(option: &str, path: &std::path::Path, reason: impl std::fmt::Display
 }
 
 async fn run(cli: Cli) -> Result<(), Exit> {
-    let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
-        return Err(Exit::usage("no database: pass --database-url URL or set DATABASE_URL"));
+    let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
+    let var = |name: &str| std::env::var(name).ok();
+    let names_a_server =
+        libpq_env::SERVER_VARIABLES.iter().any(|name| var(name).is_some_and(|v| !v.is_empty()));
+    if url.is_none() && !names_a_server {
+        return Err(Exit::usage(
+            "no database: pass --database-url URL, set DATABASE_URL, or set libpq's PGHOST, \
+             PGPORT, PGUSER or PGDATABASE",
+        ));
+    }
+    let options = libpq_env::TlsOptions {
+        root_cert: cli.tls_root_cert.clone(),
+        cert: cli.tls_cert.clone(),
+        key: cli.tls_key.clone(),
     };
+    let resolved = libpq_env::resolve(url, options, &var).map_err(Exit::usage)?;
+    for warning in &resolved.warnings {
+        let _ = writeln!(io::stderr(), "pgfence: warning: {warning}");
+    }
+    let tls = tls_config(&resolved.tls)?;
     // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
-    let mut builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
-    if let Some(tls) = tls_config(&cli)? {
-        builder = builder.tls(tls);
+    let mut builder =
+        PgKvStore::builder_from_config(resolved.config.clone()).table(&cli.table).pool_size(2);
+    if let Some(timeout) = resolved.connect_timeout {
+        builder = builder.connect_timeout(timeout);
+    }
+    if let Some(tls) = &tls {
+        builder = builder.tls(tls.clone());
+    }
+    // Bad input and the table name are refused before anything connects.
+    check_input(&cli.command)?;
+    builder.clone().inspect().await?;
+    let target = Target {
+        config: resolved.config,
+        tls,
+        table: cli.table.clone(),
+        connect_timeout: resolved.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
+    };
+    match &cli.command {
+        Command::Status { .. }
+        | Command::Get(_)
+        | Command::Ls { .. }
+        | Command::Export { .. }
+        | Command::Release { .. } => target.require_table().await?,
+        Command::Put { .. } | Command::Rm(_) | Command::Import { .. } | Command::Hold(_) => {
+            target
+                .require_database(cli.create_database, matches!(cli.command, Command::Hold(_)))
+                .await?
+        }
     }
     match cli.command {
         Command::Status { json } => status(builder, json).await,
@@ -367,17 +467,10 @@ async fn run(cli: Cli) -> Result<(), Exit> {
             let mut out = io::stdout().lock();
             out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
         }
-        Command::Put { key: k, value } => {
+        Command::Put { key: k, value, value_file } => {
             // Bad input changes nothing: checked before the lease is taken.
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
-            let value = match value {
-                Some(v) if v != "-" => v.into_vec(),
-                _ => {
-                    let mut buf = Vec::new();
-                    io::stdin().read_to_end(&mut buf).map_err(|e| Exit::other("stdin", &e))?;
-                    buf
-                }
-            };
+            let value = put_value(value, value_file)?;
             let store = builder.open().await?;
             let written =
                 store.write(&k.primary_namespace, &k.secondary_namespace, &k.key, value).await;
@@ -406,6 +499,205 @@ async fn run(cli: Cli) -> Result<(), Exit> {
     }
 }
 
+/// Refuses bad arguments that clap cannot check (keys, confirmations) with exit 2, before
+/// anything connects.
+fn check_input(command: &Command) -> Result<(), Exit> {
+    match command {
+        Command::Get(k) | Command::Put { key: k, .. } | Command::Rm(k) => {
+            check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
+        }
+        // Any valid key: only the namespaces are checked.
+        Command::Ls { primary_namespace, secondary_namespace } => {
+            check_key(primary_namespace, secondary_namespace, "k")?;
+        }
+        Command::Release { force, yes } if !(*force && *yes) => {
+            return Err(Exit::usage(
+                "release expires the lease of a possibly live holder; pass both --force and --yes",
+            ));
+        }
+        Command::Hold(args) => {
+            args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The value of `put`: the argument, or stdin when it is `-`, or the file of `--value-file`
+/// (`-`: stdin). Stdin is never read unasked: a script that forgot the value must not blank
+/// the key.
+fn put_value(value: Option<OsString>, file: Option<PathBuf>) -> Result<Vec<u8>, Exit> {
+    let read_stdin = || {
+        let mut buf = Vec::new();
+        io::stdin().read_to_end(&mut buf).map_err(|e| Exit::other("stdin", &e))?;
+        Ok(buf)
+    };
+    match (value, file) {
+        (Some(value), None) if value == "-" => read_stdin(),
+        (Some(value), None) => Ok(value.into_vec()),
+        (None, Some(file)) if file.as_os_str() == "-" => read_stdin(),
+        (None, Some(file)) => std::fs::read(&file)
+            .map_err(|e| Exit::usage(format!("--value-file {}: {e}", file.display()))),
+        // clap requires exactly one of them.
+        _ => Err(Exit::usage("put needs VALUE (`-`: stdin) or --value-file FILE")),
+    }
+}
+
+/// The connect timeout when `PGCONNECT_TIMEOUT` sets none: the library's default.
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a command connects, for the checks the CLI makes itself before handing over to the
+/// library: that the database (and for reads, the table) exists. The library's `open()`
+/// creates a missing database and table, which a typo must not do.
+struct Target {
+    config: tokio_postgres::Config,
+    tls: Option<pgfence::rustls::ClientConfig>,
+    table: String,
+    connect_timeout: Duration,
+}
+
+/// Why [`Target::connect`] failed.
+enum ConnectError {
+    /// The database does not exist (SQLSTATE 3D000).
+    NoDatabase(String),
+    Other(Exit),
+}
+
+impl Target {
+    /// `host:port` of every host, as psql names them (never the password).
+    fn servers(&self) -> String {
+        use tokio_postgres::config::Host;
+        let ports = self.config.get_ports();
+        let servers: Vec<String> = self
+            .config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match host {
+                    Host::Tcp(name) => format!("{name}:{port}"),
+                    Host::Unix(dir) => format!("{}/.s.PGSQL.{port}", dir.display()),
+                }
+            })
+            .collect();
+        servers.join(",")
+    }
+
+    fn database(&self) -> &str {
+        self.config.get_dbname().or(self.config.get_user()).unwrap_or("postgres")
+    }
+
+    async fn connect(&self) -> Result<tokio_postgres::Client, ConnectError> {
+        use tokio_postgres::error::SqlState;
+        let mut config = self.config.clone();
+        config.connect_timeout(self.connect_timeout);
+        let connecting = async {
+            match &self.tls {
+                Some(tls) => {
+                    // Never a fallback to plain text: the password must not go out unencrypted.
+                    config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls.clone());
+                    let (client, connection) = config.connect(tls).await?;
+                    tokio::spawn(connection);
+                    Ok(client)
+                }
+                None => {
+                    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+                    tokio::spawn(connection);
+                    Ok::<_, tokio_postgres::Error>(client)
+                }
+            }
+        };
+        let servers = self.servers();
+        match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
+                Err(ConnectError::NoDatabase(format!(
+                    "database {:?} does not exist on {servers}",
+                    self.database()
+                )))
+            }
+            Ok(Err(e)) => {
+                Err(ConnectError::Other(Exit::other(&format!("cannot connect to {servers}"), &e)))
+            }
+            Err(_) => Err(ConnectError::Other(Exit {
+                code: 1,
+                message: format!(
+                    "cannot connect to {servers}: no answer within {}",
+                    secs(self.connect_timeout)
+                ),
+            })),
+        }
+    }
+
+    /// For commands that only read: exit 6 unless the database and both tables exist.
+    async fn require_table(&self) -> Result<(), Exit> {
+        let client = match self.connect().await {
+            Ok(client) => client,
+            Err(ConnectError::NoDatabase(message)) => {
+                return Err(Exit::missing(format!("{message} (check the connection string)")));
+            }
+            Err(ConnectError::Other(exit)) => return Err(exit),
+        };
+        let (kv, lease) = (quote_table(&self.table, ""), quote_table(&self.table, "_lease"));
+        let row = client
+            .query_one(TABLES_EXIST, &[&kv, &lease])
+            .await
+            .map_err(|e| Exit::other("check the table", &e))?;
+        let (has_kv, has_lease): (bool, bool) = (row.get(0), row.get(1));
+        let database = self.database();
+        match (has_kv, has_lease) {
+            (true, true) => Ok(()),
+            (false, _) => Err(Exit::missing(format!(
+                "no table {} in database {database:?} (check --table; nothing was created)",
+                self.table
+            ))),
+            (true, false) => Err(Exit::missing(format!(
+                "table {} in database {database:?} has no lease table {}_lease: not a pgfence \
+                 table (check --table)",
+                self.table, self.table
+            ))),
+        }
+    }
+
+    /// For commands that write: exit 6 if the database does not exist, unless `create` (the
+    /// library then creates it). A `standby` goes on to the library on other connection
+    /// errors, which it rides out; the others report them here, naming the server.
+    async fn require_database(&self, create: bool, standby: bool) -> Result<(), Exit> {
+        match self.connect().await {
+            Ok(_) => Ok(()),
+            Err(ConnectError::NoDatabase(_)) if create => Ok(()),
+            Err(ConnectError::NoDatabase(message)) => Err(Exit::missing(format!(
+                "{message} (check the connection string, or pass --create-database to create it)"
+            ))),
+            Err(ConnectError::Other(_)) if standby => Ok(()),
+            Err(ConnectError::Other(exit)) => Err(exit),
+        }
+    }
+}
+
+/// Whether the KV table and its lease table exist, by their quoted names (resolved on the
+/// search path when unqualified, as the store's statements are). A missing schema is a
+/// missing table.
+const TABLES_EXIST: &str =
+    "SELECT to_regclass($1::text) IS NOT NULL, to_regclass($2::text) IS NOT NULL";
+
+/// `table` (`name` or `schema.name`, already checked by the library) with `suffix` added to
+/// the name, each part quoted.
+fn quote_table(table: &str, suffix: &str) -> String {
+    let quote = |part: &str| format!("\"{}\"", part.replace('"', "\"\""));
+    match table.split_once('.') {
+        Some((schema, name)) => format!("{}.{}", quote(schema), quote(&format!("{name}{suffix}"))),
+        None => quote(&format!("{table}{suffix}")),
+    }
+}
+
+/// A duration as people read it: `4.0 s`, the one format of every human line.
+fn secs(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
+}
+
 /// Closes a store after a one-shot mutation, releasing the lease at once. The mutation's
 /// error, if any, is the one reported; a failed release after a successful mutation is an
 /// error too (the change is committed, but the lease now expires only by its TTL).
@@ -432,14 +724,16 @@ async fn status(builder: Builder, json: bool) -> Result<(), Exit> {
             "expires_in_ms": i.expires_in.as_millis() as u64,
         })
         .to_string(),
-        (Some(i), true) => json!({ "state": "free", "epoch": i.epoch }).to_string(),
+        (Some(i), true) => {
+            json!({ "state": "free", "epoch": i.epoch, "holder": i.holder }).to_string()
+        }
         (None, true) => json!({ "state": "free", "epoch": null }).to_string(),
         (Some(i), false) if i.active => format!(
-            "held by {} (epoch {}, owner {}, expires in {:.1} s)",
+            "held by {} (epoch {}, owner {}, expires in {})",
             i.holder,
             i.epoch,
             i.owner_id,
-            i.expires_in.as_secs_f64()
+            secs(i.expires_in)
         ),
         (Some(i), false) => format!("free (last epoch {}, last holder {})", i.epoch, i.holder),
         (None, false) => "free (never held)".to_owned(),
@@ -503,9 +797,10 @@ async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(), Exit> {
 async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
     let source = input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string());
     let reader: Box<dyn BufRead> = match &input {
-        Some(path) => {
-            Box::new(BufReader::new(File::open(path).map_err(|e| Exit::other(&source, &e))?))
-        }
+        // An input file that cannot be opened is a bad input file: exit 2.
+        Some(path) => Box::new(BufReader::new(
+            File::open(path).map_err(|e| Exit::usage(format!("--in {source}: {e}")))?,
+        )),
         None => Box::new(io::stdin().lock()),
     };
     // Parse everything before taking the lease: bad input changes nothing.
@@ -530,7 +825,8 @@ async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
         rows.into_iter().fold(store.batch(), |batch, (p, s, k, v)| batch.put(&p, &s, &k, v));
     let committed = batch.commit().await;
     finish(store, committed).await?;
-    writeln!(io::stdout(), "imported {count} keys").map_err(|e| Exit::other("stdout", &e))
+    let keys = if count == 1 { "key" } else { "keys" };
+    writeln!(io::stdout(), "imported {count} {keys}").map_err(|e| Exit::other("stdout", &e))
 }
 
 type Row = (String, String, String, Vec<u8>);
@@ -675,7 +971,7 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
                     return Err(exit);
                 }
             };
-            let every = Duration::from_millis(every.max(1));
+            let every = Duration::from_millis(every);
             Some(tokio::spawn(write_counter(store.clone(), counter, start, every, stopped)))
         }
         _ => None,
