@@ -335,10 +335,25 @@ impl Holder {
         self.guard.signal(signal);
         let code = self.exit_code();
         let events = self.events();
-        let last = events.last().map(|e| e.json.clone());
+        let mut last = events.last().map(|e| e.json.clone()).unwrap_or_default();
         assert_eq!(code, Some(0), "{}: {events:?}; stderr: {}", self.guard.name, self.stderr());
-        assert_eq!(last, Some(serde_json::json!({ "event": "released", "epoch": epoch })));
+        let at = last.as_object_mut().and_then(|event| event.remove("at"));
+        assert!(at.as_ref().and_then(Value::as_str).is_some_and(is_timestamp), "{events:?}");
+        assert_eq!(last, serde_json::json!({ "event": "released", "epoch": epoch }));
     }
+}
+
+/// An RFC 3339 UTC time with milliseconds, as `hold` stamps its events: `2026-12-01T23:57:04.123Z`.
+fn is_timestamp(text: &str) -> bool {
+    let shape = text.bytes().enumerate().all(|(i, c)| match i {
+        4 | 7 => c == b'-',
+        10 => c == b'T',
+        13 | 16 => c == b':',
+        19 => c == b'.',
+        23 => c == b'Z',
+        _ => c.is_ascii_digit(),
+    });
+    text.len() == 24 && shape
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1250,4 +1265,60 @@ fn import_wording_and_a_missing_input_file() {
     let missing = std::env::temp_dir().join(unique_name("cli_nonexistent"));
     let ran = run(&url, &table, &["import", "--in", missing.to_str().unwrap()], None);
     ran.expect(2, "import --in a missing file");
+}
+
+/// Finding 8: `--json` on every command, one JSON object a line (schemas in docs/cli.md);
+/// `ls` of a primary namespace, of the whole table and by prefix; `hold`'s events are
+/// timestamped.
+#[test]
+fn every_command_has_json_output_and_ls_lists_by_namespace_and_prefix() {
+    let (url, table) = (server().url(), unique_name("cli_json"));
+    let json_of = |args: &[&str], stdin: Option<&[u8]>| -> Vec<Value> {
+        let ran = run(&url, &table, args, stdin);
+        let out = ran.expect(0, &format!("{args:?}")).stdout();
+        out.lines().map(|line| serde_json::from_str(line).expect(line)).collect()
+    };
+    let text_of = |args: &[&str]| run(&url, &table, args, None).expect(0, "text").stdout();
+    let put = json_of(&["put", "--json", "a", "b", "k1", "v1"], None);
+    let done = |command: &str, sub: &str, key: &str, epoch: i64| {
+        serde_json::json!({ "command": command, "primary_namespace": "a",
+            "secondary_namespace": sub, "key": key, "epoch": epoch })
+    };
+    assert_eq!(put, [done("put", "b", "k1", 1)]);
+    assert_eq!(
+        json_of(&["put", "--json", "a", "c", "k2", "v2"], None),
+        [done("put", "c", "k2", 2)]
+    );
+    assert_eq!(text_of(&["put", "", "", "top", "x"]), "", "text put prints nothing");
+    let got = json_of(&["get", "--json", "a", "b", "k1"], None);
+    let row = serde_json::json!({ "primary_namespace": "a", "secondary_namespace": "b",
+        "key": "k1", "value": "djE=" });
+    assert_eq!(got, [row]);
+    let listed = json_of(&["ls", "--json", "a", "b"], None);
+    let entry = serde_json::json!({ "primary_namespace": "a", "secondary_namespace": "b",
+        "key": "k1" });
+    assert_eq!(listed, [entry]);
+    assert_eq!(text_of(&["ls"]), "//top\na/b/k1\na/c/k2\n");
+    assert_eq!(text_of(&["ls", "a"]), "a/b/k1\na/c/k2\n");
+    assert_eq!(text_of(&["ls", "--prefix", "k2"]), "a/c/k2\n");
+    assert_eq!(text_of(&["ls", "a", "b", "--prefix", "x"]), "");
+    assert_eq!(json_of(&["ls", "--json", "a"], None).len(), 2);
+
+    let status = json_of(&["status", "--json"], None);
+    assert_eq!(status[0]["state"], "free", "{status:?}");
+    assert_eq!(status[0]["epoch"], 3, "{status:?}");
+    assert_eq!(json_of(&["rm", "--json", "a", "c", "k2"], None), [done("rm", "c", "k2", 4)]);
+    let line = "{\"primary_namespace\":\"a\",\"secondary_namespace\":\"b\",\"key\":\"k3\",\"value\":\"\"}\n";
+    let imported = json_of(&["import", "--json"], Some(line.as_bytes()));
+    assert_eq!(imported, [serde_json::json!({ "command": "import", "imported": 1 })]);
+    let released = json_of(&["release", "--force", "--yes", "--json"], None);
+    assert_eq!(released, [serde_json::json!({ "state": "nobody" })]);
+
+    let holder = Holder::spawn("H", &url, &table, &[]);
+    let acquired = holder.acquired();
+    let at = acquired.json["at"].as_str().unwrap_or_default();
+    assert!(is_timestamp(at), "{}", acquired.json);
+    let held = json_of(&["release", "--force", "--yes", "--json"], None);
+    assert_eq!(held[0]["state"], "released", "{held:?}");
+    assert_eq!(held[0]["epoch"], acquired.int("epoch"), "{held:?}");
 }

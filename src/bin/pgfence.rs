@@ -90,6 +90,11 @@ struct Cli {
     #[arg(long, global = true)]
     create_database: bool,
 
+    /// Output JSON (one object a line; see docs/cli.md) instead of text. `hold` and `export`
+    /// always print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -97,11 +102,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Who holds the lease: holder, epoch, time left; or "free". Does not take the lease.
-    Status {
-        /// One JSON object instead of a sentence.
-        #[arg(long)]
-        json: bool,
-    },
+    Status,
     /// Writes a value's bytes to stdout, unchanged; exit 4 if the key is absent.
     Get(KeyArgs),
     /// Writes a value under the lease, taken for this command only (exit 3 if held).
@@ -122,14 +123,18 @@ enum Command {
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
-    /// Lists the keys of a namespace pair, one a line, in byte order.
+    /// Lists keys in byte order: of a namespace pair (one key a line), or without SUB of a
+    /// primary namespace, or without NS of the whole table (`NS/SUB/KEY` a line).
     Ls {
         /// Primary namespace (may be empty: "").
         #[arg(value_name = "NS")]
-        primary_namespace: String,
+        primary_namespace: Option<String>,
         /// Secondary namespace (may be empty: "").
-        #[arg(value_name = "SUB")]
-        secondary_namespace: String,
+        #[arg(value_name = "SUB", requires = "primary_namespace")]
+        secondary_namespace: Option<String>,
+        /// Only the keys that start with PREFIX.
+        #[arg(long, value_name = "PREFIX")]
+        prefix: Option<String>,
     },
     /// Takes the lease and keeps it until SIGINT/SIGTERM, then releases it. Prints one JSON
     /// line per event: waiting, acquired, write, lost, released.
@@ -447,7 +452,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         connect_timeout: resolved.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
     };
     match &cli.command {
-        Command::Status { .. }
+        Command::Status
         | Command::Get(_)
         | Command::Ls { .. }
         | Command::Export { .. }
@@ -458,12 +463,21 @@ async fn run(cli: Cli) -> Result<(), Exit> {
                 .await?
         }
     }
+    let json = cli.json;
     match cli.command {
-        Command::Status { json } => status(builder, json).await,
+        Command::Status => status(builder, json).await,
         Command::Get(k) => {
             let inspector = builder.inspect().await?;
             let value =
                 inspector.read(&k.primary_namespace, &k.secondary_namespace, &k.key).await?;
+            if json {
+                return print_line(&row_json(
+                    &k.primary_namespace,
+                    &k.secondary_namespace,
+                    &k.key,
+                    &value,
+                ));
+            }
             let mut out = io::stdout().lock();
             out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
         }
@@ -472,31 +486,89 @@ async fn run(cli: Cli) -> Result<(), Exit> {
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let value = put_value(value, value_file)?;
             let store = builder.open().await?;
+            let epoch = store.fencing_token();
             let written =
                 store.write(&k.primary_namespace, &k.secondary_namespace, &k.key, value).await;
-            finish(store, written).await
+            finish(store, written).await?;
+            done_json(json, "put", &k, epoch)
         }
         Command::Rm(k) => {
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let store = builder.open().await?;
+            let epoch = store.fencing_token();
             let removed =
                 store.remove(&k.primary_namespace, &k.secondary_namespace, &k.key, false).await;
-            finish(store, removed).await
+            finish(store, removed).await?;
+            done_json(json, "rm", &k, epoch)
         }
-        Command::Ls { primary_namespace, secondary_namespace } => {
-            let keys =
-                builder.inspect().await?.list(&primary_namespace, &secondary_namespace).await?;
+        Command::Ls { primary_namespace, secondary_namespace, prefix } => {
+            let inspector = builder.inspect().await?;
+            let keys: Vec<(String, String, String)> =
+                match (&primary_namespace, &secondary_namespace) {
+                    (Some(primary), Some(secondary)) => inspector
+                        .list(primary, secondary)
+                        .await?
+                        .into_iter()
+                        .map(|key| (primary.clone(), secondary.clone(), key))
+                        .collect(),
+                    (primary, _) => inspector
+                        .list_all_keys()
+                        .await?
+                        .into_iter()
+                        .filter(|(p, _, _)| primary.as_ref().is_none_or(|primary| p == primary))
+                        .collect(),
+                };
+            let prefix = prefix.unwrap_or_default();
             let mut out = io::stdout().lock();
             keys.iter()
-                .try_for_each(|key| writeln!(out, "{key}"))
+                .filter(|(_, _, key)| key.starts_with(&prefix))
+                .try_for_each(|(p, s, key)| match (json, secondary_namespace.is_some()) {
+                    (true, _) => writeln!(
+                        out,
+                        "{}",
+                        json!({ "primary_namespace": p, "secondary_namespace": s, "key": key })
+                    ),
+                    (false, true) => writeln!(out, "{key}"),
+                    (false, false) => writeln!(out, "{p}/{s}/{key}"),
+                })
                 .and_then(|()| out.flush())
                 .map_err(|e| Exit::other("stdout", &e))
         }
         Command::Hold(args) => hold(builder, args).await,
-        Command::Release { force, yes } => release(builder, force && yes).await,
+        Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
-        Command::Import { input } => import(builder, input).await,
+        Command::Import { input } => import(builder, input, json).await,
     }
+}
+
+/// One line on stdout.
+fn print_line(line: &dyn std::fmt::Display) -> Result<(), Exit> {
+    writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
+}
+
+/// A row as `export` writes it (`value` in base64); also `get --json`.
+fn row_json(primary: &str, secondary: &str, key: &str, value: &[u8]) -> Value {
+    json!({
+        "primary_namespace": primary,
+        "secondary_namespace": secondary,
+        "key": key,
+        "value": BASE64.encode(value),
+    })
+}
+
+/// What `put --json` and `rm --json` print once done: the command, the key and the epoch of
+/// the lease it was done under. Nothing without `--json`.
+fn done_json(json: bool, command: &str, k: &KeyArgs, epoch: i64) -> Result<(), Exit> {
+    if !json {
+        return Ok(());
+    }
+    print_line(&json!({
+        "command": command,
+        "primary_namespace": k.primary_namespace,
+        "secondary_namespace": k.secondary_namespace,
+        "key": k.key,
+        "epoch": epoch,
+    }))
 }
 
 /// Refuses bad arguments that clap cannot check (keys, confirmations) with exit 2, before
@@ -507,8 +579,8 @@ fn check_input(command: &Command) -> Result<(), Exit> {
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
         }
         // Any valid key: only the namespaces are checked.
-        Command::Ls { primary_namespace, secondary_namespace } => {
-            check_key(primary_namespace, secondary_namespace, "k")?;
+        Command::Ls { primary_namespace: Some(primary), secondary_namespace, .. } => {
+            check_key(primary, secondary_namespace.as_deref().unwrap_or(""), "k")?;
         }
         Command::Release { force, yes } if !(*force && *yes) => {
             return Err(Exit::usage(
@@ -741,21 +813,41 @@ async fn status(builder: Builder, json: bool) -> Result<(), Exit> {
     writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
 }
 
-async fn release(builder: Builder, confirmed: bool) -> Result<(), Exit> {
+async fn release(builder: Builder, confirmed: bool, json: bool) -> Result<(), Exit> {
     if !confirmed {
         return Err(Exit::usage(
             "release expires the lease of a possibly live holder; pass both --force and --yes",
         ));
     }
     let inspector = builder.inspect().await?;
-    let line = match inspector.force_release().await? {
+    let released = inspector.force_release().await?;
+    let now = match released {
+        Some(_) => None,
+        None => inspector.lease_info().await?.filter(|info| info.active),
+    };
+    if json {
+        let holder = |state: &str, info: &pgfence::LeaseInfo| {
+            json!({
+                "state": state,
+                "holder": info.holder,
+                "epoch": info.epoch,
+                "owner_id": info.owner_id.to_string(),
+            })
+        };
+        return print_line(&match (&released, &now) {
+            (Some(held), _) => holder("released", held),
+            (None, Some(now)) => holder("changed_hands", now),
+            (None, None) => json!({ "state": "nobody" }),
+        });
+    }
+    let line = match released {
         Some(held) => format!(
             "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
             held.holder, held.epoch, held.owner_id
         ),
         // Released nothing. A live holder now took the lease while this command ran (the
         // release is by the owner it found): name it, and do not release it unasked.
-        None => match inspector.lease_info().await?.filter(|info| info.active) {
+        None => match now {
             Some(now) => format!(
                 "released nothing: the lease changed hands while this command ran and is held by \
                  {} (epoch {}, owner {}); run it again to release that holder",
@@ -783,18 +875,13 @@ async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(), Exit> {
             Err(e) if e.is_not_found() => continue, // Removed since the listing.
             Err(e) => return Err(e.into()),
         };
-        let line = json!({
-            "primary_namespace": primary,
-            "secondary_namespace": secondary,
-            "key": key,
-            "value": BASE64.encode(value),
-        });
+        let line = row_json(&primary, &secondary, &key, &value);
         writeln!(writer, "{line}").map_err(|e| Exit::other(&target, &e))?;
     }
     writer.flush().map_err(|e| Exit::other(&target, &e))
 }
 
-async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
+async fn import(builder: Builder, input: Option<PathBuf>, json: bool) -> Result<(), Exit> {
     let source = input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string());
     let reader: Box<dyn BufRead> = match &input {
         // An input file that cannot be opened is a bad input file: exit 2.
@@ -825,8 +912,11 @@ async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
         rows.into_iter().fold(store.batch(), |batch, (p, s, k, v)| batch.put(&p, &s, &k, v));
     let committed = batch.commit().await;
     finish(store, committed).await?;
+    if json {
+        return print_line(&json!({ "command": "import", "imported": count }));
+    }
     let keys = if count == 1 { "key" } else { "keys" };
-    writeln!(io::stdout(), "imported {count} {keys}").map_err(|e| Exit::other("stdout", &e))
+    print_line(&format_args!("imported {count} {keys}"))
 }
 
 type Row = (String, String, String, Vec<u8>);
@@ -873,9 +963,38 @@ impl Signals {
 
 /// One JSON line on stdout. A closed stdout does not stop the holder: the lease, not the
 /// output, is what it is for.
-fn emit(event: Value) {
+fn emit(mut event: Value) {
+    event["at"] = Value::String(utc_now());
     let mut out = io::stdout().lock();
     let _ = writeln!(out, "{event}").and_then(|()| out.flush());
+}
+
+/// The time now, UTC, as RFC 3339 with milliseconds: `2026-12-01T23:57:04.123Z`.
+fn utc_now() -> String {
+    let now = std::time::SystemTime::now();
+    rfc3339(now.duration_since(std::time::UNIX_EPOCH).unwrap_or_default())
+}
+
+/// `since` the Unix epoch as RFC 3339, UTC, with milliseconds.
+fn rfc3339(since: Duration) -> String {
+    let (days, secs) = (since.as_secs() / 86_400, since.as_secs() % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        secs / 3_600,
+        secs % 3_600 / 60,
+        secs % 60,
+        since.subsec_millis()
+    )
 }
 
 /// Where `hold --write-every` writes its counter.
@@ -1133,5 +1252,17 @@ async fn write_counter(
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339(Duration::ZERO), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(Duration::from_millis(951_782_400_250)), "2000-02-29T00:00:00.250Z");
+        assert_eq!(rfc3339(Duration::from_secs(1_796_169_599)), "2026-12-01T23:59:59.000Z");
     }
 }
