@@ -1117,16 +1117,12 @@ fn hold_refuses_write_every_0() {
 #[test]
 fn logs_are_plain_and_one_line_per_error() {
     let (url, table) = (server().url(), unique_name("cli_logs"));
-    // A standby against a refusing server logs its retries.
-    let refused = "postgres://postgres@127.0.0.1:1/postgres";
-    let standby = Holder::spawn("W", refused, &table, &["--wait"]);
-    let deadline = Instant::now() + GUARD;
-    while !standby.stderr().contains("retrying") {
-        assert!(Instant::now() < deadline, "no warning from the standby: {}", standby.stderr());
-        thread::sleep(Duration::from_millis(50));
-    }
-    assert!(!standby.stderr().contains('\x1b'), "colour codes on a pipe: {:?}", standby.stderr());
-    drop(standby);
+    // The library's log lines (here its info events), on a pipe: no colour codes.
+    let env = [("RUST_LOG", "pgfence=debug")];
+    let logged = run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &env);
+    logged.expect(0, "put with debug logs");
+    assert!(logged.stderr.contains(" INFO pgfence::"), "log lines: {logged:?}");
+    assert!(!logged.stderr.contains('\x1b'), "colour codes on a pipe: {:?}", logged.stderr);
 
     let mut a = Holder::spawn("A", &url, &table, &["--ttl", "6"]);
     let epoch = a.acquired().int("epoch");
@@ -1321,4 +1317,28 @@ fn every_command_has_json_output_and_ls_lists_by_namespace_and_prefix() {
     let held = json_of(&["release", "--force", "--yes", "--json"], None);
     assert_eq!(held[0]["state"], "released", "{held:?}");
     assert_eq!(held[0]["epoch"], acquired.int("epoch"), "{held:?}");
+}
+
+/// Finding 5: a standby against a server that is down reports it as a `retrying` event on
+/// stdout, with the whole cause and the server, and one line on stderr: at most one report
+/// every 30 s, not the library's line a second.
+#[test]
+fn a_standby_reports_an_unreachable_server_once_with_the_whole_cause() {
+    let table = unique_name("cli_down");
+    let refused = "postgres://postgres@127.0.0.1:1/postgres";
+    let standby = Holder::spawn("W", refused, &table, &["--wait"]);
+    let (at, retrying) = standby.wait_for(0, "retrying", |_| true);
+    let error = retrying.json["error"].as_str().unwrap_or_default().to_owned();
+    assert!(error.contains("127.0.0.1:1") && error.contains("onnection refused"), "{error}");
+    assert!(retrying.json["at"].as_str().is_some_and(is_timestamp), "{}", retrying.json);
+    // The library retries about once a second; three seconds bring no second report.
+    thread::sleep(Duration::from_secs(3));
+    let events = standby.events();
+    assert_eq!(events.len(), at + 1, "one report: {events:?}");
+    let stderr = standby.stderr();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 1 && lines[0] == format!("pgfence: standby retrying: {error}"),
+        "one line: {stderr:?}"
+    );
 }

@@ -24,7 +24,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
 use serde_json::{Value, json};
 use tokio::signal::unix::{Signal, SignalKind, signal};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -317,18 +317,66 @@ fn init_logging() {
         .with_ansi(ansi)
         .with_filter(filter)
         .with_filter(tracing_subscriber::filter::filter_fn(|event| !reported_by_the_cli(event)));
-    tracing_subscriber::registry().with(layer).init();
+    tracing_subscriber::registry().with(layer).with(StandbyTrouble).init();
+}
+
+/// Where [`StandbyTrouble`] sends the standby's warnings while `hold --wait` listens.
+static STANDBY_TROUBLE: std::sync::Mutex<Option<mpsc::UnboundedSender<String>>> =
+    std::sync::Mutex::new(None);
+
+/// Passes the standby's warnings (retries, LISTEN trouble) to `hold --wait`, which reports
+/// them itself: rate-limited, with the whole cause, and as a JSON event a supervisor can see.
+/// The library logs them about once a second, with the cause cut to its first line.
+struct StandbyTrouble;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for StandbyTrouble {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if !is_standby_warning(event.metadata()) {
+            return;
+        }
+        let mut text = EventText::default();
+        event.record(&mut text);
+        let listening = STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(sender) = listening.as_ref() {
+            let _ = sender.send(text.0); // `hold` may have stopped listening.
+        }
+    }
+}
+
+/// An event's message and fields on one line: `message: field=value ...`.
+#[derive(Default)]
+struct EventText(String);
+
+impl tracing::field::Visit for EventText {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let text = match field.name() {
+            "message" => format!("{value:?}"),
+            name => format!("{name}={value:?}"),
+        };
+        if !self.0.is_empty() {
+            self.0.push_str(": ");
+        }
+        self.0.push_str(&text);
+    }
+}
+
+/// The standby's warnings (every `pgfence::failover` warning but the force release's).
+fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
+    event.target() == "pgfence::failover"
+        && *event.level() == tracing::Level::WARN
+        && event.fields().field("holder").is_none()
 }
 
 /// The library's events that the CLI reports itself, which would otherwise say the same thing
-/// twice: the lease loss (the `lost` event and the exit-5 error line) and an operator's force
-/// release (the `release` command's own output). Recognised by level, module and a field only
-/// they have, as the library gives its events no stable names.
+/// twice: the lease loss (the `lost` event and the exit-5 error line), an operator's force
+/// release (the `release` command's own output) and the standby's warnings (see
+/// [`StandbyTrouble`]). Recognised by level, module and a field only they have, as the library
+/// gives its events no stable names.
 fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
     match event.target() {
         "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
-        "pgfence::failover" => *event.level() == tracing::Level::WARN && has("holder"),
+        "pgfence::failover" => *event.level() == tracing::Level::WARN,
         _ => false,
     }
 }
@@ -534,7 +582,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
                 .and_then(|()| out.flush())
                 .map_err(|e| Exit::other("stdout", &e))
         }
-        Command::Hold(args) => hold(builder, args).await,
+        Command::Hold(args) => hold(builder, args, target).await,
         Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
         Command::Import { input } => import(builder, input, json).await,
@@ -621,6 +669,7 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where a command connects, for the checks the CLI makes itself before handing over to the
 /// library: that the database (and for reads, the table) exists. The library's `open()`
 /// creates a missing database and table, which a typo must not do.
+#[derive(Clone)]
 struct Target {
     config: tokio_postgres::Config,
     tls: Option<pgfence::rustls::ClientConfig>,
@@ -1036,7 +1085,10 @@ enum Ended {
     WriterFailed(Error),
 }
 
-async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
+/// How often at most `hold --wait` reports that the standby cannot reach the database.
+const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
+
+async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
     // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0",
     // never the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
@@ -1052,11 +1104,40 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
     let opened = if args.wait {
         let standby = builder.standby();
         let mut progress = standby.progress();
+        let (trouble_sender, mut trouble) = mpsc::unbounded_channel();
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(trouble_sender);
+        // A report is made by a connection attempt of the CLI's own, which names the server
+        // and gives the whole cause; spawned, so the standby's opening is never held up.
+        let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
+        let mut reported_at: Option<tokio::time::Instant> = None;
+        let mut probing = false;
         let opening = standby.open_until(signals.recv());
         tokio::pin!(opening);
-        loop {
+        let opened = loop {
             tokio::select! {
-                opened = &mut opening => break opened?,
+                opened = &mut opening => break opened,
+                Some(warning) = trouble.recv() => {
+                    let due = reported_at.is_none_or(|at| at.elapsed() >= TROUBLE_REPORT_EVERY);
+                    if due && !probing {
+                        probing = true;
+                        let (target, sender) = (target.clone(), report_sender.clone());
+                        tokio::spawn(async move {
+                            let cause = match target.connect().await {
+                                Err(ConnectError::Other(exit)) => exit.message,
+                                Err(ConnectError::NoDatabase(message)) => message,
+                                // Reachable now: the library's own words are all there is.
+                                Ok(_) => warning,
+                            };
+                            let _ = sender.send(cause);
+                        });
+                    }
+                }
+                Some(cause) = reports.recv() => {
+                    probing = false;
+                    reported_at = Some(tokio::time::Instant::now());
+                    emit(json!({ "event": "retrying", "error": cause }));
+                    let _ = writeln!(io::stderr(), "pgfence: standby retrying: {cause}");
+                }
                 Ok(()) = progress.changed() => {
                     let state = progress.borrow_and_update().clone();
                     if let StandbyState::Waiting { holder, epoch, expires_in } = state {
@@ -1069,7 +1150,9 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
                     }
                 }
             }
-        }
+        };
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        opened?
     } else {
         builder.open_until(signals.recv()).await?
     };
