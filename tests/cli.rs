@@ -1342,3 +1342,60 @@ fn a_standby_reports_an_unreachable_server_once_with_the_whole_cause() {
         "one line: {stderr:?}"
     );
 }
+
+/// `pgfence doctor` against the test cluster: every check present with pass, warn or fail and
+/// a detail saying what to change; nothing created; a role setting (here given as a connection
+/// option) turns a warning into a pass; a missing database fails with exit 1.
+#[test]
+fn doctor_checks_the_deployment_and_creates_nothing() {
+    let (url, table) = (server().url(), unique_name("cli_doctor"));
+    let report = |url: &str, code: i32| -> Value {
+        let ran = run(url, &table, &["doctor", "--json"], None);
+        serde_json::from_slice(&ran.expect(code, "doctor --json").stdout).expect("one JSON object")
+    };
+    let find = |report: &Value, name: &str| -> (String, String) {
+        let checks = report["checks"].as_array().expect("checks");
+        let c = checks
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap_or_else(|| panic!("{name}: {report}"));
+        (c["status"].as_str().unwrap().to_owned(), c["detail"].as_str().unwrap().to_owned())
+    };
+    let fresh = report(&url, 0);
+    assert_eq!(find(&fresh, "connection").0, "pass", "{fresh}");
+    assert_ne!(find(&fresh, "server version").0, "fail", "{fresh}");
+    assert_eq!(find(&fresh, "privileges").0, "pass", "the administrator: {fresh}");
+    assert_eq!(find(&fresh, "session control").0, "pass", "{fresh}");
+    assert_eq!(find(&fresh, "clock").0, "pass", "the same machine: {fresh}");
+    let tls = find(&fresh, "tls");
+    assert!(tls.0 == "warn" && tls.1.contains("--tls-root-cert"), "{fresh}");
+    let sync = find(&fresh, "synchronous_standby_names");
+    assert!(sync.0 == "warn" && sync.1.contains("replica"), "no replica here: {fresh}");
+    let idle = find(&fresh, "idle_in_transaction_session_timeout");
+    assert!(idle.0 == "warn" && idle.1.contains("ALTER ROLE"), "{fresh}");
+    let missing = find(&fresh, "table");
+    assert!(missing.0 == "warn" && missing.1.contains("no table"), "{fresh}");
+    assert_eq!(fresh["status"], "warn", "{fresh}");
+    let created = format!("SELECT relname FROM pg_class WHERE relname LIKE '{table}%'");
+    assert!(query(&server().config(), &created).is_empty(), "doctor created something");
+
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let with_timeout =
+        format!("{url}{separator}options=-c%20idle_in_transaction_session_timeout%3D60000");
+    let used = report(&with_timeout, 0);
+    assert_eq!(find(&used, "idle_in_transaction_session_timeout").0, "pass", "{used}");
+    assert_eq!(find(&used, "schema version").0, "pass", "{used}");
+    let lease = find(&used, "lease");
+    assert!(lease.0 == "pass" && lease.1.starts_with("free (last epoch 1"), "{used}");
+
+    // The text table: one aligned row a check.
+    let text = run(&url, &table, &["doctor"], None).expect(0, "doctor").stdout();
+    let columns: Vec<usize> =
+        text.lines().map(|l| l.find("  pass").or(l.find("  warn")).unwrap_or(0)).collect();
+    assert!(columns.len() >= 10 && columns.windows(2).all(|w| w[0] == w[1] && w[0] > 0), "{text}");
+
+    let nodb = report(&url_for_database(&unique_name("cli_doctor_nodb")), 1);
+    assert_eq!(nodb["status"], "fail", "{nodb}");
+    assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
+}
