@@ -944,6 +944,14 @@ fn usage_and_config_errors_exit_2() {
     run(&url, "not a table", &["status"], None).expect(2, "invalid --table");
     run("postgres://[::1", &table, &["status"], None).expect(2, "unparsable URL");
 
+    let typo = run(&url, &table, &["statsu"], None);
+    assert!(
+        typo.expect(2, "a mistyped command").stderr.contains("did you mean 'status'?"),
+        "{typo:?}"
+    );
+    let far = run(&url, &table, &["frobnicate"], None);
+    assert!(!far.expect(2, "an unknown command").stderr.contains("did you mean"), "{far:?}");
+
     let no_url = run("", &table, &["status"], None);
     no_url.expect(2, "neither --database-url nor DATABASE_URL");
     assert!(no_url.stderr.contains("DATABASE_URL"), "{no_url:?}");

@@ -52,7 +52,8 @@ server that asks for one.";
 #[derive(Debug, Parser)]
 #[command(name = "pgfence", version, after_help = EXIT_CODES)]
 struct Cli {
-    /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`).
+    /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`);
+    /// libpq's PG* variables fill in what it leaves out, or stand in for it.
     #[arg(long, value_name = "URL", env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 
@@ -411,6 +412,12 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         }
         _ => {}
     }
+    let suggestion = match (e.kind(), e.get(clap::error::ContextKind::InvalidSubcommand)) {
+        (ErrorKind::InvalidSubcommand, Some(clap::error::ContextValue::String(typed))) => {
+            closest_command(typed).map(|name| format!("; did you mean '{name}'?"))
+        }
+        _ => None,
+    };
     let rendered = e.render().to_string();
     // clap's message is the paragraph before the first blank line; keep its usage line too.
     let message: Vec<&str> =
@@ -418,11 +425,39 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     let message = message.join(" ");
     let message = message.strip_prefix("error: ").unwrap_or(&message);
     let usage = rendered.lines().find_map(|l| l.strip_prefix("Usage: "));
+    let message = format!("{message}{}", suggestion.unwrap_or_default());
     let line = match usage {
         Some(usage) => format!("{message} (usage: {usage}; see --help)"),
         None => format!("{message} (see --help)"),
     };
     fail(Exit::usage(line))
+}
+
+/// The command nearest to a mistyped one, if it is close (at most 2 edits).
+fn closest_command(typed: &str) -> Option<String> {
+    Cli::command()
+        .get_subcommands()
+        .map(|command| command.get_name().to_owned())
+        .map(|name| (edit_distance(typed, &name), name))
+        .filter(|(distance, _)| *distance <= 2)
+        .min()
+        .map(|(_, name)| name)
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != *cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
 }
 
 /// The TLS client configuration of `--tls-root-cert` or `PGSSLROOTCERT` (trusting exactly the
