@@ -1407,3 +1407,79 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert_eq!(nodb["status"], "fail", "{nodb}");
     assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
 }
+
+/// Finding 3, TLS: `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY` stand in for the
+/// TLS options: verified TLS, a client certificate, and `disable` refused by a server that
+/// takes TLS only. `PGAPPNAME` names the connections.
+#[test]
+fn libpq_tls_variables_connect_over_verified_tls() {
+    let cluster = TestCluster::start_tls().expect("a private cluster with TLS");
+    let table = unique_name("cli_pgssl");
+    let dir = std::env::temp_dir().join(unique_name("pgfence_cli_pgssl"));
+    std::fs::create_dir(&dir).unwrap();
+    let (ca, cert, key) = (dir.join("ca.pem"), dir.join("client.pem"), dir.join("client.key"));
+    std::fs::write(&ca, cluster.tls_root_pem().expect("a TLS cluster")).unwrap();
+    let (cert_pem, key_pem) = cluster.client_cert_pem().expect("a TLS cluster");
+    std::fs::write(&cert, cert_pem).unwrap();
+    std::fs::write(&key, key_pem).unwrap();
+    let (ca, cert, key) = (ca.to_str().unwrap(), cert.to_str().unwrap(), key.to_str().unwrap());
+    let port = cluster.port().to_string();
+    let home = dir.to_str().unwrap();
+    let server = [("PGHOST", "127.0.0.1"), ("PGPORT", port.as_str()), ("HOME", home)];
+    let env = |extra: &[(&'static str, &'static str)]| -> Vec<(&str, &str)> {
+        server.iter().chain(extra).copied().collect()
+    };
+    let verified = [("PGUSER", "postgres"), ("PGSSLMODE", "verify-full")];
+    let mut with_roots = env(&verified);
+    with_roots.push(("PGSSLROOTCERT", ca));
+    with_roots.push(("PGAPPNAME", "cli-pgappname"));
+    run_env("", &table, &["put", "ns", "sub", "k", "v"], None, &with_roots).expect(0, "put");
+    let read = run_env("", &table, &["get", "ns", "sub", "k"], None, &with_roots);
+    assert_eq!(read.expect(0, "get over TLS from PGSSLROOTCERT").stdout(), "v");
+    let doctor = run_env("", &table, &["doctor"], None, &with_roots).expect(0, "doctor").stdout();
+    assert!(doctor.lines().any(|l| l.starts_with("tls") && l.contains(" pass ")), "{doctor}");
+
+    let plain = env(&[("PGUSER", "postgres"), ("PGSSLMODE", "disable")]);
+    let refused = run_env("", &table, &["get", "ns", "sub", "k"], None, &plain);
+    assert!(refused.expect(1, "sslmode disable").stderr.contains("no encryption"), "{refused:?}");
+
+    // The certificate role may connect but not use the administrator's table: the doctor
+    // says which GRANT fixes that.
+    let mut by_certificate = env(&[("PGUSER", CERT_ROLE), ("PGSSLMODE", "verify-full")]);
+    by_certificate.extend([("PGSSLROOTCERT", ca), ("PGSSLCERT", cert), ("PGSSLKEY", key)]);
+    by_certificate.push(("PGDATABASE", "postgres"));
+    let doctor = run_env("", &table, &["doctor"], None, &by_certificate);
+    let report = doctor.expect(1, "doctor as the certificate role").stdout();
+    let row = |name: &str| report.lines().find(|l| l.starts_with(name)).unwrap_or_default();
+    assert!(row("connection").contains(" pass "), "{report}");
+    assert!(
+        row("privileges").contains(" fail ") && row("privileges").contains("GRANT"),
+        "{report}"
+    );
+    by_certificate.retain(|(name, _)| *name != "PGSSLKEY");
+    let half = run_env("", &table, &["status"], None, &by_certificate);
+    half.expect(2, "PGSSLCERT without PGSSLKEY");
+
+    // PGAPPNAME names the connections: a holder's are found by it while it holds.
+    let mut holder_env = with_roots.clone();
+    holder_env.retain(|(name, _)| *name != "PGAPPNAME");
+    holder_env.push(("PGAPPNAME", "cli-pgappname-hold"));
+    let _holder = Guard::spawn("H", "", &table, &["hold"], None, &holder_env);
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE application_name = 'cli-pgappname-hold'";
+    let deadline = Instant::now() + GUARD;
+    while query_tls(&cluster, sql).is_empty() {
+        assert!(Instant::now() < deadline, "no connection named by PGAPPNAME");
+        thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs `sql` on the TLS cluster as its administrator, over verified TLS.
+fn query_tls(cluster: &TestCluster, sql: &str) -> Vec<tokio_postgres::Row> {
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let client = cluster.connect().await.expect("admin connection");
+        client.query(sql, &[]).await.expect(sql)
+    })
+}
