@@ -1483,3 +1483,23 @@ fn query_tls(cluster: &TestCluster, sql: &str) -> Vec<tokio_postgres::Row> {
         client.query(sql, &[]).await.expect(sql)
     })
 }
+
+/// Finding 4 (the CLI's part): a permission error says which `GRANT` fixes it. The password
+/// role may not create in a new schema of the administrator's.
+#[test]
+fn a_permission_error_names_the_grant() {
+    let schema = unique_name("cli_grant");
+    query(&server().config(), &format!("CREATE SCHEMA {schema}"));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(server().ensure_password_role()).expect("the password role");
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let url = format!("postgres://{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}@{addr}/{dbname}");
+    let table = format!("{schema}.t");
+    let denied = run(&url, &table, &["put", "a", "b", "c", "v"], None);
+    denied.expect(1, "put without CREATE on the schema");
+    let grant = format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {PASSWORD_ROLE}");
+    assert!(denied.stderr.contains(&grant), "{denied:?}");
+    query(&server().config(), &grant);
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put once granted");
+}
