@@ -944,6 +944,11 @@ fn usage_and_config_errors_exit_2() {
     run(&url, "not a table", &["status"], None).expect(2, "invalid --table");
     run("postgres://[::1", &table, &["status"], None).expect(2, "unparsable URL");
 
+    // sslmode=require names the CLI's option, not a library API.
+    let require = "postgres://postgres@127.0.0.1:1/postgres?sslmode=require";
+    let require = run(require, &table, &["status"], None);
+    assert!(require.expect(2, "sslmode=require").stderr.contains("--tls-root-cert"), "{require:?}");
+
     let typo = run(&url, &table, &["statsu"], None);
     assert!(
         typo.expect(2, "a mistyped command").stderr.contains("did you mean 'status'?"),
@@ -1388,9 +1393,11 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert!(query(&server().config(), &created).is_empty(), "doctor created something");
 
     run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let with_timeout =
-        format!("{url}{separator}options=-c%20idle_in_transaction_session_timeout%3D60000");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let with_timeout = format!(
+        "{} options='-c idle_in_transaction_session_timeout=60000'",
+        url_for_database(&dbname)
+    );
     let used = report(&with_timeout, 0);
     assert_eq!(find(&used, "idle_in_transaction_session_timeout").0, "pass", "{used}");
     assert_eq!(find(&used, "schema version").0, "pass", "{used}");
