@@ -14,11 +14,30 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{CERT_ROLE, TestCluster, TestServer, unique_name};
+use pgfence::testing::{
+    CERT_ROLE, PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD, TestCluster, TestServer, unique_name,
+};
 use serde_json::Value;
 use tokio_postgres::NoTls;
 
 const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
+
+/// libpq's environment, which `pgfence` reads: removed from every spawned process unless the
+/// test sets it, so the test runner's own environment cannot change what a test connects to.
+const LIBPQ_VARIABLES: [&str; 12] = [
+    "PGHOST",
+    "PGPORT",
+    "PGUSER",
+    "PGDATABASE",
+    "PGPASSWORD",
+    "PGPASSFILE",
+    "PGAPPNAME",
+    "PGCONNECT_TIMEOUT",
+    "PGSSLMODE",
+    "PGSSLROOTCERT",
+    "PGSSLCERT",
+    "PGSSLKEY",
+];
 
 /// Bound on any single wait: only a hang should ever reach it.
 const GUARD: Duration = Duration::from_secs(60);
@@ -53,6 +72,9 @@ impl Guard {
         let mut command = Command::new(BIN);
         if !url.is_empty() {
             command.args(["--database-url", url]);
+        }
+        for variable in LIBPQ_VARIABLES {
+            command.env_remove(variable);
         }
         command
             .args(["--table", table])
@@ -313,10 +335,25 @@ impl Holder {
         self.guard.signal(signal);
         let code = self.exit_code();
         let events = self.events();
-        let last = events.last().map(|e| e.json.clone());
+        let mut last = events.last().map(|e| e.json.clone()).unwrap_or_default();
         assert_eq!(code, Some(0), "{}: {events:?}; stderr: {}", self.guard.name, self.stderr());
-        assert_eq!(last, Some(serde_json::json!({ "event": "released", "epoch": epoch })));
+        let at = last.as_object_mut().and_then(|event| event.remove("at"));
+        assert!(at.as_ref().and_then(Value::as_str).is_some_and(is_timestamp), "{events:?}");
+        assert_eq!(last, serde_json::json!({ "event": "released", "epoch": epoch }));
     }
+}
+
+/// An RFC 3339 UTC time with milliseconds, as `hold` stamps its events: `2026-12-01T23:57:04.123Z`.
+fn is_timestamp(text: &str) -> bool {
+    let shape = text.bytes().enumerate().all(|(i, c)| match i {
+        4 | 7 => c == b'-',
+        10 => c == b'T',
+        13 | 16 => c == b':',
+        19 => c == b'.',
+        23 => c == b'Z',
+        _ => c.is_ascii_digit(),
+    });
+    text.len() == 24 && shape
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -795,11 +832,12 @@ fn empty_environment_variables_count_as_unset() {
         ("PGFENCE_TLS_KEY", ""),
         ("DATABASE_URL", ""),
     ];
+    run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &empty).expect(0, "put");
     for set in empty.iter().map(std::slice::from_ref).chain([&empty[..]]) {
         let status = run_env(&url, &table, &["status"], None, set);
-        assert_eq!(status.expect(0, &format!("{set:?}")).stdout(), "free (never held)\n");
+        let status = status.expect(0, &format!("{set:?}")).stdout();
+        assert!(status.starts_with("free (last epoch 1, last holder pgfence "), "{status}");
     }
-    run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &empty).expect(0, "put");
     for option in ["--tls-root-cert", "--tls-cert", "--tls-key"] {
         run(&url, &table, &["status", option, ""], None).expect(2, &format!("{option} \"\""));
     }
@@ -812,11 +850,8 @@ fn empty_environment_variables_count_as_unset() {
 #[test]
 fn one_shot_commands_round_trip() {
     let (url, table) = (server().url(), unique_name("cli_oneshot"));
-    let free = run(&url, &table, &["status"], None);
-    assert_eq!(free.expect(0, "status").stdout(), "free (never held)\n");
-    let json: Value =
-        serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
-    assert_eq!(json, serde_json::json!({ "state": "free", "epoch": null }));
+    let missing = run(&url, &table, &["status"], None);
+    missing.expect(6, "status of a table nothing created yet");
 
     run(&url, &table, &["put", "app", "cfg", "greeting", "hello"], None).expect(0, "put VALUE");
     let binary = b"\x00\xffbinary\n".to_vec();
@@ -838,11 +873,10 @@ fn one_shot_commands_round_trip() {
 
     let status: Value =
         serde_json::from_slice(&run(&url, &table, &["status", "--json"], None).stdout).unwrap();
-    assert_eq!(
-        status,
-        serde_json::json!({ "state": "free", "epoch": 3 }),
-        "each put took and released the lease"
-    );
+    assert_eq!(status["state"], "free", "{status}");
+    assert_eq!(status["epoch"], 3, "each put took and released the lease: {status}");
+    let holder = status["holder"].as_str().unwrap_or_default();
+    assert!(holder.starts_with("pgfence "), "the last holder is kept: {status}");
 
     // Export to a file, import into a fresh table, export again: the same lines.
     let dir = std::env::temp_dir().join(unique_name("cli_export"));
@@ -884,7 +918,8 @@ fn usage_and_config_errors_exit_2() {
     let (url, table) = (server().url(), unique_name("cli_usage"));
     let help = run(&url, &table, &["--help"], None);
     let text = help.expect(0, "--help").stdout();
-    for code in ["0  ok", "2  usage", "3  lease held", "4  key not found", "5  lease lost", "TLS"] {
+    let codes = ["0  ok", "2  usage", "3  lease held", "4  key not found", "5  lease lost"];
+    for code in codes.into_iter().chain(["6  no such database or table", "TLS", "PGPASSWORD"]) {
         assert!(text.contains(code), "--help documents {code:?}: {text}");
     }
     let cases: &[&[&str]] = &[
@@ -908,6 +943,19 @@ fn usage_and_config_errors_exit_2() {
     }
     run(&url, "not a table", &["status"], None).expect(2, "invalid --table");
     run("postgres://[::1", &table, &["status"], None).expect(2, "unparsable URL");
+
+    // sslmode=require names the CLI's option, not a library API.
+    let require = "postgres://postgres@127.0.0.1:1/postgres?sslmode=require";
+    let require = run(require, &table, &["status"], None);
+    assert!(require.expect(2, "sslmode=require").stderr.contains("--tls-root-cert"), "{require:?}");
+
+    let typo = run(&url, &table, &["statsu"], None);
+    assert!(
+        typo.expect(2, "a mistyped command").stderr.contains("did you mean 'status'?"),
+        "{typo:?}"
+    );
+    let far = run(&url, &table, &["frobnicate"], None);
+    assert!(!far.expect(2, "an unknown command").stderr.contains("did you mean"), "{far:?}");
 
     let no_url = run("", &table, &["status"], None);
     no_url.expect(2, "neither --database-url nor DATABASE_URL");
@@ -943,4 +991,522 @@ fn bad_input_is_refused_before_taking_the_lease() {
     not_utf8.expect(2, "import of bytes that are not UTF-8");
     assert!(not_utf8.stderr.contains("line 1"), "{not_utf8:?}");
     assert_eq!(epoch(&url, &table), before, "no lease was taken");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operator's first hour (issue 18)
+// ---------------------------------------------------------------------------------------------
+
+/// A key-value connection string for database `name` on the test server, as its
+/// administrator.
+fn url_for_database(name: &str) -> String {
+    let config = server().config();
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let user = config.get_user().expect("the administrator's user name");
+    let mut url = format!("host={} port={} user={user} dbname={name}", addr.ip(), addr.port());
+    if let Some(password) = config.get_password() {
+        let password = String::from_utf8_lossy(password);
+        url.push_str(&format!(
+            " password='{}'",
+            password.replace('\\', "\\\\").replace('\'', "\\'")
+        ));
+    }
+    url
+}
+
+/// Finding 1: a mistyped table or database is reported (exit 6) by the commands that only
+/// read, and nothing is created; a write command creates a missing database only with
+/// `--create-database`, and creates the table as the library does.
+#[test]
+fn reads_create_nothing_and_a_missing_table_or_database_exits_6() {
+    let (url, table) = (server().url(), unique_name("cli_typo"));
+    let schema = unique_name("cli_nosuchschema");
+    let in_schema = format!("{schema}.t");
+    let reads: [&[&str]; 6] = [
+        &["status"],
+        &["status", "--json"],
+        &["get", "a", "b", "c"],
+        &["ls", "a", "b"],
+        &["export"],
+        &["release", "--force", "--yes"],
+    ];
+    for name in [table.as_str(), in_schema.as_str()] {
+        for args in reads {
+            let ran = run(&url, name, args, None);
+            ran.expect(6, &format!("{args:?} with --table {name}"));
+            assert!(ran.stderr.contains(&format!("no table {name} ")), "{ran:?}");
+            assert!(ran.stdout.is_empty(), "{ran:?}");
+        }
+    }
+    let created = format!(
+        "SELECT relname FROM pg_class WHERE relname LIKE '{table}%' \
+         UNION ALL SELECT nspname FROM pg_namespace WHERE nspname = '{schema}'"
+    );
+    assert!(query(&server().config(), &created).is_empty(), "a read created something");
+
+    let database = unique_name("cli_nodb");
+    let db_url = url_for_database(&database);
+    let exists = || {
+        let sql = format!("SELECT 1 FROM pg_database WHERE datname = '{database}'");
+        !query(&server().config(), &sql).is_empty()
+    };
+    let commands: [&[&str]; 5] = [
+        &["status"],
+        &["get", "a", "b", "c"],
+        &["put", "a", "b", "c", "v"],
+        &["rm", "a", "b", "c"],
+        &["hold", "--wait"],
+    ];
+    for args in commands {
+        let ran = run(&db_url, &table, args, None);
+        ran.expect(6, &format!("{args:?} on a missing database"));
+        assert!(ran.stderr.contains(&format!("database \"{database}\" does not exist")), "{ran:?}");
+    }
+    let import = run(&db_url, &table, &["import"], Some(b""));
+    import.expect(6, "import into a missing database");
+    assert!(!exists(), "a command created the database unasked");
+
+    let put = ["put", "--create-database", "a", "b", "c", "v"];
+    run(&db_url, &table, &put, None).expect(0, "put --create-database");
+    assert!(exists(), "--create-database creates the database");
+    assert_eq!(run(&db_url, &table, &["get", "a", "b", "c"], None).expect(0, "get").stdout, b"v");
+    // A write command creates the table, as the library does.
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put into a new table");
+    run(&url, &table, &["status"], None).expect(0, "status once a store opened the table");
+}
+
+/// Finding 2: `put` reads stdin only when the value is `-` (or `--value-file -`): a forgotten
+/// value, with stdin empty or not a terminal (cron, CI), is a usage error and the key keeps
+/// its value.
+#[test]
+fn put_reads_stdin_only_when_the_value_is_a_dash() {
+    let (url, table) = (server().url(), unique_name("cli_stdin"));
+    let key = ["app", "cfg", "greeting"];
+    let get = |what: &str| {
+        run(&url, &table, &["get", key[0], key[1], key[2]], None).expect(0, what).stdout.clone()
+    };
+    run(&url, &table, &["put", key[0], key[1], key[2], "hello"], None).expect(0, "put");
+    for stdin in [None, Some(&b""[..]), Some(&b"piped"[..])] {
+        let ran = run(&url, &table, &["put", key[0], key[1], key[2]], stdin);
+        ran.expect(2, &format!("put without a value, stdin {stdin:?}"));
+        assert!(ran.stderr.contains("VALUE"), "{ran:?}");
+    }
+    assert_eq!(get("after the refused puts"), b"hello");
+
+    run(&url, &table, &["put", key[0], key[1], key[2], "-"], Some(b"dash")).expect(0, "put -");
+    assert_eq!(get("put -"), b"dash");
+    let from_stdin = ["put", key[0], key[1], key[2], "--value-file", "-"];
+    run(&url, &table, &from_stdin, Some(b"file dash")).expect(0, "--value-file -");
+    assert_eq!(get("--value-file -"), b"file dash");
+    let dir = std::env::temp_dir().join(unique_name("cli_valuefile"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("value.bin");
+    std::fs::write(&file, b"\x00from a file\xff").unwrap();
+    let from_file = ["put", key[0], key[1], key[2], "--value-file", file.to_str().unwrap()];
+    run(&url, &table, &from_file, None).expect(0, "--value-file FILE");
+    assert_eq!(get("--value-file FILE"), b"\x00from a file\xff");
+    let both = ["put", key[0], key[1], key[2], "v", "--value-file", file.to_str().unwrap()];
+    run(&url, &table, &both, None).expect(2, "VALUE and --value-file");
+    let missing = dir.join("missing");
+    let unreadable = ["put", key[0], key[1], key[2], "--value-file", missing.to_str().unwrap()];
+    run(&url, &table, &unreadable, None).expect(2, "--value-file of a missing file");
+    assert_eq!(get("after the refused puts"), b"\x00from a file\xff");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Finding 7: `hold --write-every 0` would write in a tight loop: refused, before anything
+/// connects (the table is never created).
+#[test]
+fn hold_refuses_write_every_0() {
+    let (url, table) = (server().url(), unique_name("cli_every0"));
+    let ran = run(&url, &table, &["hold", "--write-every", "0", "--counter-key", "k"], None);
+    ran.expect(2, "--write-every 0");
+    assert!(ran.stderr.contains("--write-every"), "{ran:?}");
+    run(&url, &table, &["status"], None).expect(6, "no lease was ever taken");
+}
+
+/// Finding 6: no colour codes on a stderr that is not a terminal; the loss of the lease is one
+/// error line, not a log line and an error line; a successful force release prints no warning.
+#[test]
+fn logs_are_plain_and_one_line_per_error() {
+    let (url, table) = (server().url(), unique_name("cli_logs"));
+    // The library's log lines (here its info events), on a pipe: no colour codes.
+    let env = [("RUST_LOG", "pgfence=debug")];
+    let logged = run_env(&url, &table, &["put", "a", "b", "c", "v"], None, &env);
+    logged.expect(0, "put with debug logs");
+    assert!(logged.stderr.contains(" INFO pgfence::"), "log lines: {logged:?}");
+    assert!(!logged.stderr.contains('\x1b'), "colour codes on a pipe: {:?}", logged.stderr);
+
+    let mut a = Holder::spawn("A", &url, &table, &["--ttl", "6"]);
+    let epoch = a.acquired().int("epoch");
+    let released = run(&url, &table, &["release", "--force", "--yes"], None);
+    released.expect(0, "release --force --yes");
+    assert_eq!(released.stderr, "", "a successful release warns of nothing");
+    assert_eq!(a.exit_code(), Some(5), "A: {:?}; stderr: {}", a.events(), a.stderr());
+    let stderr = a.stderr();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 1 && lines[0].starts_with(&format!("pgfence: lease lost (epoch {epoch})")),
+        "one error line: {stderr:?}"
+    );
+}
+
+/// Finding 3: libpq's environment. Without a connection string, `PGHOST`, `PGPORT`, `PGUSER`
+/// and `PGDATABASE` name the server; `PGPASSWORD`, `PGPASSFILE` and `~/.pgpass` (ignored with a
+/// warning if others may read it) give the password; a connection string wins over all of
+/// them; TLS modes that need certificate authorities, and bad values, are usage errors.
+#[test]
+fn libpq_environment_names_the_server_and_the_password() {
+    let (url, table) = (server().url(), unique_name("cli_libpq"));
+    let config = server().config();
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let (host, port) = (addr.ip().to_string(), addr.port().to_string());
+    let admin = config.get_user().expect("the administrator");
+    let dbname = config.get_dbname().unwrap_or(admin).to_owned();
+    let admin_password = config.get_password().map(|p| String::from_utf8_lossy(p).into_owned());
+    let home = std::env::temp_dir().join(unique_name("cli_home"));
+    std::fs::create_dir_all(&home).unwrap();
+    let home_str = home.to_str().unwrap().to_owned();
+    let server_env = |user: &'static str| {
+        let user = if user.is_empty() { admin } else { user };
+        vec![
+            ("PGHOST", host.clone()),
+            ("PGPORT", port.clone()),
+            ("PGUSER", user.to_owned()),
+            ("PGDATABASE", dbname.clone()),
+            ("HOME", home_str.clone()),
+        ]
+    };
+    let with = |base: Vec<(&'static str, String)>, extra: &[(&'static str, &str)]| {
+        let mut env = base;
+        env.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
+        env
+    };
+    let run_with = |url: &str, args: &[&str], env: &[(&'static str, String)]| {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run_env(url, &table, args, None, &env)
+    };
+
+    let mut env = server_env("");
+    if let Some(password) = &admin_password {
+        env.push(("PGPASSWORD", password.clone()));
+    }
+    run_with("", &["put", "a", "b", "c", "v"], &env).expect(0, "put with libpq's environment");
+    assert_eq!(run_with("", &["get", "a", "b", "c"], &env).expect(0, "get").stdout, b"v");
+    // A connection string wins: a wrong PGPORT and PGUSER beside it are not used.
+    let wrong = [("PGPORT", "1".to_owned()), ("PGUSER", "nobody".to_owned())];
+    run_with(&url, &["get", "a", "b", "c"], &wrong).expect(0, "the URL wins");
+    run_with("", &["status"], &[("HOME", home_str.clone())]).expect(2, "nothing names a server");
+
+    // The password role, allowed to read the table.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(server().ensure_password_role()).expect("the password role");
+    let grant = format!("GRANT SELECT ON \"{table}\", \"{table}_lease\" TO {PASSWORD_ROLE}");
+    query(&config, &grant);
+    let role = server_env(PASSWORD_ROLE);
+    let status =
+        run_with("", &["status"], &with(role.clone(), &[("PGPASSWORD", PASSWORD_ROLE_PASSWORD)]));
+    assert!(
+        status.expect(0, "PGPASSWORD").stdout().starts_with("free (last epoch 1"),
+        "{status:?}"
+    );
+    let secret = "wrong-secret-9d41";
+    let refused = run_with("", &["status"], &with(role.clone(), &[("PGPASSWORD", secret)]));
+    refused.expect(1, "a wrong PGPASSWORD");
+    assert!(refused.stderr.contains("password authentication failed"), "{refused:?}");
+    assert!(refused.stderr.contains(&format!("{host}:{port}")), "names the server: {refused:?}");
+    assert!(!refused.stderr.contains(secret), "never the password: {refused:?}");
+
+    // A password file: the first matching line wins; `*` matches anything.
+    let passfile = home.join("pgfence.pgpass");
+    let lines = format!(
+        "# comment\nother-host:*:*:*:nope\n{host}:{port}:*:{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}\n*:*:*:*:nope\n"
+    );
+    std::fs::write(&passfile, &lines).unwrap();
+    let chmod = |path: &std::path::Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    chmod(&passfile, 0o600);
+    let passfile_env = with(role.clone(), &[("PGPASSFILE", passfile.to_str().unwrap())]);
+    run_with("", &["status"], &passfile_env).expect(0, "PGPASSFILE");
+    chmod(&passfile, 0o644);
+    let ignored = run_with("", &["status"], &passfile_env);
+    assert_eq!(ignored.code, Some(1), "a password file others may read is ignored: {ignored:?}");
+    let lines: Vec<&str> = ignored.stderr.lines().collect();
+    assert!(
+        lines.len() == 2
+            && lines[0].starts_with("pgfence: warning: password file")
+            && lines[0].contains("group or world access")
+            && lines[1].contains("password"),
+        "{ignored:?}"
+    );
+    // ~/.pgpass when PGPASSFILE is not set.
+    let dot_pgpass = home.join(".pgpass");
+    let line = format!("{host}:{port}:*:{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}\n");
+    std::fs::write(&dot_pgpass, line).unwrap();
+    chmod(&dot_pgpass, 0o600);
+    run_with("", &["status"], &role).expect(0, "~/.pgpass");
+
+    // TLS asked for without certificate authorities, and values that make no sense.
+    for (name, value) in [
+        ("PGSSLMODE", "verify-full"),
+        ("PGSSLMODE", "require"),
+        ("PGSSLMODE", "sometimes"),
+        ("PGCONNECT_TIMEOUT", "soon"),
+        ("PGPORT", "port"),
+    ] {
+        let ran = run_with("", &["status"], &with(role.clone(), &[(name, value)]));
+        ran.expect(2, &format!("{name}={value}"));
+        assert!(ran.stderr.contains(name) || ran.stderr.contains("sslmode"), "{ran:?}");
+    }
+    std::fs::remove_dir_all(&home).unwrap();
+}
+
+/// Finding 8: `imported 1 key`, and an input file that cannot be opened is a bad input file
+/// (exit 2, as the table of exit codes says).
+#[test]
+fn import_wording_and_a_missing_input_file() {
+    let (url, table) = (server().url(), unique_name("cli_import1"));
+    let row = "{\"primary_namespace\":\"a\",\"secondary_namespace\":\"b\",\"key\":\"c\",\"value\":\"dg==\"}\n";
+    let imported = run(&url, &table, &["import"], Some(row.as_bytes()));
+    assert_eq!(imported.expect(0, "import").stdout(), "imported 1 key\n");
+    let missing = std::env::temp_dir().join(unique_name("cli_nonexistent"));
+    let ran = run(&url, &table, &["import", "--in", missing.to_str().unwrap()], None);
+    ran.expect(2, "import --in a missing file");
+}
+
+/// Finding 8: `--json` on every command, one JSON object a line (schemas in docs/cli.md);
+/// `ls` of a primary namespace, of the whole table and by prefix; `hold`'s events are
+/// timestamped.
+#[test]
+fn every_command_has_json_output_and_ls_lists_by_namespace_and_prefix() {
+    let (url, table) = (server().url(), unique_name("cli_json"));
+    let json_of = |args: &[&str], stdin: Option<&[u8]>| -> Vec<Value> {
+        let ran = run(&url, &table, args, stdin);
+        let out = ran.expect(0, &format!("{args:?}")).stdout();
+        out.lines().map(|line| serde_json::from_str(line).expect(line)).collect()
+    };
+    let text_of = |args: &[&str]| run(&url, &table, args, None).expect(0, "text").stdout();
+    let put = json_of(&["put", "--json", "a", "b", "k1", "v1"], None);
+    let done = |command: &str, sub: &str, key: &str, epoch: i64| {
+        serde_json::json!({ "command": command, "primary_namespace": "a",
+            "secondary_namespace": sub, "key": key, "epoch": epoch })
+    };
+    assert_eq!(put, [done("put", "b", "k1", 1)]);
+    assert_eq!(
+        json_of(&["put", "--json", "a", "c", "k2", "v2"], None),
+        [done("put", "c", "k2", 2)]
+    );
+    assert_eq!(text_of(&["put", "", "", "top", "x"]), "", "text put prints nothing");
+    let got = json_of(&["get", "--json", "a", "b", "k1"], None);
+    let row = serde_json::json!({ "primary_namespace": "a", "secondary_namespace": "b",
+        "key": "k1", "value": "djE=" });
+    assert_eq!(got, [row]);
+    let listed = json_of(&["ls", "--json", "a", "b"], None);
+    let entry = serde_json::json!({ "primary_namespace": "a", "secondary_namespace": "b",
+        "key": "k1" });
+    assert_eq!(listed, [entry]);
+    assert_eq!(text_of(&["ls"]), "//top\na/b/k1\na/c/k2\n");
+    assert_eq!(text_of(&["ls", "a"]), "a/b/k1\na/c/k2\n");
+    assert_eq!(text_of(&["ls", "--prefix", "k2"]), "a/c/k2\n");
+    assert_eq!(text_of(&["ls", "a", "b", "--prefix", "x"]), "");
+    assert_eq!(json_of(&["ls", "--json", "a"], None).len(), 2);
+
+    let status = json_of(&["status", "--json"], None);
+    assert_eq!(status[0]["state"], "free", "{status:?}");
+    assert_eq!(status[0]["epoch"], 3, "{status:?}");
+    assert_eq!(json_of(&["rm", "--json", "a", "c", "k2"], None), [done("rm", "c", "k2", 4)]);
+    let line = "{\"primary_namespace\":\"a\",\"secondary_namespace\":\"b\",\"key\":\"k3\",\"value\":\"\"}\n";
+    let imported = json_of(&["import", "--json"], Some(line.as_bytes()));
+    assert_eq!(imported, [serde_json::json!({ "command": "import", "imported": 1 })]);
+    let released = json_of(&["release", "--force", "--yes", "--json"], None);
+    assert_eq!(released, [serde_json::json!({ "state": "nobody" })]);
+
+    let holder = Holder::spawn("H", &url, &table, &[]);
+    let acquired = holder.acquired();
+    let at = acquired.json["at"].as_str().unwrap_or_default();
+    assert!(is_timestamp(at), "{}", acquired.json);
+    let held = json_of(&["release", "--force", "--yes", "--json"], None);
+    assert_eq!(held[0]["state"], "released", "{held:?}");
+    assert_eq!(held[0]["epoch"], acquired.int("epoch"), "{held:?}");
+}
+
+/// Finding 5: a standby against a server that is down reports it as a `retrying` event on
+/// stdout, with the whole cause and the server, and one line on stderr: at most one report
+/// every 30 s, not the library's line a second.
+#[test]
+fn a_standby_reports_an_unreachable_server_once_with_the_whole_cause() {
+    let table = unique_name("cli_down");
+    let refused = "postgres://postgres@127.0.0.1:1/postgres";
+    let standby = Holder::spawn("W", refused, &table, &["--wait"]);
+    let (at, retrying) = standby.wait_for(0, "retrying", |_| true);
+    let error = retrying.json["error"].as_str().unwrap_or_default().to_owned();
+    assert!(error.contains("127.0.0.1:1") && error.contains("onnection refused"), "{error}");
+    assert!(retrying.json["at"].as_str().is_some_and(is_timestamp), "{}", retrying.json);
+    // The library retries about once a second; three seconds bring no second report.
+    thread::sleep(Duration::from_secs(3));
+    let events = standby.events();
+    assert_eq!(events.len(), at + 1, "one report: {events:?}");
+    let stderr = standby.stderr();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() == 1 && lines[0] == format!("pgfence: standby retrying: {error}"),
+        "one line: {stderr:?}"
+    );
+}
+
+/// `pgfence doctor` against the test cluster: every check present with pass, warn or fail and
+/// a detail saying what to change; nothing created; a role setting (here given as a connection
+/// option) turns a warning into a pass; a missing database fails with exit 1.
+#[test]
+fn doctor_checks_the_deployment_and_creates_nothing() {
+    let (url, table) = (server().url(), unique_name("cli_doctor"));
+    let report = |url: &str, code: i32| -> Value {
+        let ran = run(url, &table, &["doctor", "--json"], None);
+        serde_json::from_slice(&ran.expect(code, "doctor --json").stdout).expect("one JSON object")
+    };
+    let find = |report: &Value, name: &str| -> (String, String) {
+        let checks = report["checks"].as_array().expect("checks");
+        let c = checks
+            .iter()
+            .find(|c| c["check"] == name)
+            .unwrap_or_else(|| panic!("{name}: {report}"));
+        (c["status"].as_str().unwrap().to_owned(), c["detail"].as_str().unwrap().to_owned())
+    };
+    let fresh = report(&url, 0);
+    assert_eq!(find(&fresh, "connection").0, "pass", "{fresh}");
+    assert_ne!(find(&fresh, "server version").0, "fail", "{fresh}");
+    assert_eq!(find(&fresh, "privileges").0, "pass", "the administrator: {fresh}");
+    assert_eq!(find(&fresh, "session control").0, "pass", "{fresh}");
+    assert_eq!(find(&fresh, "clock").0, "pass", "the same machine: {fresh}");
+    let tls = find(&fresh, "tls");
+    assert!(tls.0 == "warn" && tls.1.contains("--tls-root-cert"), "{fresh}");
+    let sync = find(&fresh, "synchronous_standby_names");
+    assert!(sync.0 == "warn" && sync.1.contains("replica"), "no replica here: {fresh}");
+    let idle = find(&fresh, "idle_in_transaction_session_timeout");
+    assert!(idle.0 == "warn" && idle.1.contains("ALTER ROLE"), "{fresh}");
+    let missing = find(&fresh, "table");
+    assert!(missing.0 == "warn" && missing.1.contains("no table"), "{fresh}");
+    assert_eq!(fresh["status"], "warn", "{fresh}");
+    let created = format!("SELECT relname FROM pg_class WHERE relname LIKE '{table}%'");
+    assert!(query(&server().config(), &created).is_empty(), "doctor created something");
+
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let with_timeout = format!(
+        "{} options='-c idle_in_transaction_session_timeout=60000'",
+        url_for_database(&dbname)
+    );
+    let used = report(&with_timeout, 0);
+    assert_eq!(find(&used, "idle_in_transaction_session_timeout").0, "pass", "{used}");
+    assert_eq!(find(&used, "schema version").0, "pass", "{used}");
+    let lease = find(&used, "lease");
+    assert!(lease.0 == "pass" && lease.1.starts_with("free (last epoch 1"), "{used}");
+
+    // The text table: one aligned row a check.
+    let text = run(&url, &table, &["doctor"], None).expect(0, "doctor").stdout();
+    let columns: Vec<usize> =
+        text.lines().map(|l| l.find("  pass").or(l.find("  warn")).unwrap_or(0)).collect();
+    assert!(columns.len() >= 10 && columns.windows(2).all(|w| w[0] == w[1] && w[0] > 0), "{text}");
+
+    let nodb = report(&url_for_database(&unique_name("cli_doctor_nodb")), 1);
+    assert_eq!(nodb["status"], "fail", "{nodb}");
+    assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
+}
+
+/// Finding 3, TLS: `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY` stand in for the
+/// TLS options: verified TLS, a client certificate, and `disable` refused by a server that
+/// takes TLS only. `PGAPPNAME` names the connections.
+#[test]
+fn libpq_tls_variables_connect_over_verified_tls() {
+    let cluster = TestCluster::start_tls().expect("a private cluster with TLS");
+    let table = unique_name("cli_pgssl");
+    let dir = std::env::temp_dir().join(unique_name("pgfence_cli_pgssl"));
+    std::fs::create_dir(&dir).unwrap();
+    let (ca, cert, key) = (dir.join("ca.pem"), dir.join("client.pem"), dir.join("client.key"));
+    std::fs::write(&ca, cluster.tls_root_pem().expect("a TLS cluster")).unwrap();
+    let (cert_pem, key_pem) = cluster.client_cert_pem().expect("a TLS cluster");
+    std::fs::write(&cert, cert_pem).unwrap();
+    std::fs::write(&key, key_pem).unwrap();
+    let (ca, cert, key) = (ca.to_str().unwrap(), cert.to_str().unwrap(), key.to_str().unwrap());
+    let port = cluster.port().to_string();
+    let home = dir.to_str().unwrap();
+    let server = [("PGHOST", "127.0.0.1"), ("PGPORT", port.as_str()), ("HOME", home)];
+    let env = |extra: &[(&'static str, &'static str)]| -> Vec<(&str, &str)> {
+        server.iter().chain(extra).copied().collect()
+    };
+    let verified = [("PGUSER", "postgres"), ("PGSSLMODE", "verify-full")];
+    let mut with_roots = env(&verified);
+    with_roots.push(("PGSSLROOTCERT", ca));
+    with_roots.push(("PGAPPNAME", "cli-pgappname"));
+    run_env("", &table, &["put", "ns", "sub", "k", "v"], None, &with_roots).expect(0, "put");
+    let read = run_env("", &table, &["get", "ns", "sub", "k"], None, &with_roots);
+    assert_eq!(read.expect(0, "get over TLS from PGSSLROOTCERT").stdout(), "v");
+    let doctor = run_env("", &table, &["doctor"], None, &with_roots).expect(0, "doctor").stdout();
+    assert!(doctor.lines().any(|l| l.starts_with("tls") && l.contains(" pass ")), "{doctor}");
+
+    let plain = env(&[("PGUSER", "postgres"), ("PGSSLMODE", "disable")]);
+    let refused = run_env("", &table, &["get", "ns", "sub", "k"], None, &plain);
+    assert!(refused.expect(1, "sslmode disable").stderr.contains("no encryption"), "{refused:?}");
+
+    // The certificate role may connect but not use the administrator's table: the doctor
+    // says which GRANT fixes that.
+    let mut by_certificate = env(&[("PGUSER", CERT_ROLE), ("PGSSLMODE", "verify-full")]);
+    by_certificate.extend([("PGSSLROOTCERT", ca), ("PGSSLCERT", cert), ("PGSSLKEY", key)]);
+    by_certificate.push(("PGDATABASE", "postgres"));
+    let doctor = run_env("", &table, &["doctor"], None, &by_certificate);
+    let report = doctor.expect(1, "doctor as the certificate role").stdout();
+    let row = |name: &str| report.lines().find(|l| l.starts_with(name)).unwrap_or_default();
+    assert!(row("connection").contains(" pass "), "{report}");
+    assert!(
+        row("privileges").contains(" fail ") && row("privileges").contains("GRANT"),
+        "{report}"
+    );
+    by_certificate.retain(|(name, _)| *name != "PGSSLKEY");
+    let half = run_env("", &table, &["status"], None, &by_certificate);
+    half.expect(2, "PGSSLCERT without PGSSLKEY");
+
+    // PGAPPNAME names the connections: a holder's are found by it while it holds.
+    let mut holder_env = with_roots.clone();
+    holder_env.retain(|(name, _)| *name != "PGAPPNAME");
+    holder_env.push(("PGAPPNAME", "cli-pgappname-hold"));
+    let _holder = Guard::spawn("H", "", &table, &["hold"], None, &holder_env);
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE application_name = 'cli-pgappname-hold'";
+    let deadline = Instant::now() + GUARD;
+    while query_tls(&cluster, sql).is_empty() {
+        assert!(Instant::now() < deadline, "no connection named by PGAPPNAME");
+        thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs `sql` on the TLS cluster as its administrator, over verified TLS.
+fn query_tls(cluster: &TestCluster, sql: &str) -> Vec<tokio_postgres::Row> {
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let client = cluster.connect().await.expect("admin connection");
+        client.query(sql, &[]).await.expect(sql)
+    })
+}
+
+/// Finding 4 (the CLI's part): a permission error says which `GRANT` fixes it. The password
+/// role may not create in a new schema of the administrator's.
+#[test]
+fn a_permission_error_names_the_grant() {
+    let schema = unique_name("cli_grant");
+    query(&server().config(), &format!("CREATE SCHEMA {schema}"));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(server().ensure_password_role()).expect("the password role");
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let url = format!("postgres://{PASSWORD_ROLE}:{PASSWORD_ROLE_PASSWORD}@{addr}/{dbname}");
+    let table = format!("{schema}.t");
+    let denied = run(&url, &table, &["put", "a", "b", "c", "v"], None);
+    denied.expect(1, "put without CREATE on the schema");
+    let grant = format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {PASSWORD_ROLE}");
+    assert!(denied.stderr.contains(&grant), "{denied:?}");
+    query(&server().config(), &grant);
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put once granted");
 }

@@ -7,6 +7,9 @@
 //! exit code; nothing panics.
 #![forbid(unsafe_code)]
 
+#[path = "pgfence/libpq_env.rs"]
+mod libpq_env;
+
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
@@ -21,7 +24,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
 use serde_json::{Value, json};
 use tokio::signal::unix::{Signal, SignalKind, signal};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -31,6 +34,13 @@ Exit codes:
   3  lease held by another store (put, rm, import, hold without --wait)
   4  key not found (get)
   5  lease lost (hold: taken over, force-released, or renewal failed)
+  6  no such database or table (nothing was created: check --database-url and --table)
+
+The connection: --database-url, else $DATABASE_URL, with libpq's environment filling what it
+leaves out (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGPASSFILE or ~/.pgpass, PGAPPNAME,
+PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY). Commands that only read
+(status, get, ls, export, release) never create anything; put, rm, import and hold create the
+table, but a database only with --create-database.
 
 Without --tls-root-cert, connections are plain TCP or Unix socket (and sslmode=require is
 refused); with it, every connection requires TLS and a server certificate from those roots (a
@@ -42,7 +52,8 @@ server that asks for one.";
 #[derive(Debug, Parser)]
 #[command(name = "pgfence", version, after_help = EXIT_CODES)]
 struct Cli {
-    /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`).
+    /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`);
+    /// libpq's PG* variables fill in what it leaves out, or stand in for it.
     #[arg(long, value_name = "URL", env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 
@@ -76,6 +87,15 @@ struct Cli {
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
     table: String,
 
+    /// Write commands (put, rm, import, hold): create the database if it does not exist.
+    #[arg(long, global = true)]
+    create_database: bool,
+
+    /// Output JSON (one object a line; see docs/cli.md) instead of text. `hold` and `export`
+    /// always print JSON.
+    #[arg(long, global = true)]
+    json: bool,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -83,31 +103,39 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Who holds the lease: holder, epoch, time left; or "free". Does not take the lease.
-    Status {
-        /// One JSON object instead of a sentence.
-        #[arg(long)]
-        json: bool,
-    },
+    Status,
     /// Writes a value's bytes to stdout, unchanged; exit 4 if the key is absent.
     Get(KeyArgs),
     /// Writes a value under the lease, taken for this command only (exit 3 if held).
     Put {
         #[command(flatten)]
         key: KeyArgs,
-        /// The value; `-` or nothing reads it from stdin.
-        #[arg(value_name = "VALUE", allow_hyphen_values = true)]
+        /// The value; `-` reads it from stdin.
+        #[arg(
+            value_name = "VALUE",
+            allow_hyphen_values = true,
+            required_unless_present = "value_file",
+            conflicts_with = "value_file"
+        )]
         value: Option<OsString>,
+        /// Read the value from FILE instead (`-`: stdin).
+        #[arg(long, value_name = "FILE")]
+        value_file: Option<PathBuf>,
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
-    /// Lists the keys of a namespace pair, one a line, in byte order.
+    /// Lists keys in byte order: of a namespace pair (one key a line), or without SUB of a
+    /// primary namespace, or without NS of the whole table (`NS/SUB/KEY` a line).
     Ls {
         /// Primary namespace (may be empty: "").
         #[arg(value_name = "NS")]
-        primary_namespace: String,
+        primary_namespace: Option<String>,
         /// Secondary namespace (may be empty: "").
-        #[arg(value_name = "SUB")]
-        secondary_namespace: String,
+        #[arg(value_name = "SUB", requires = "primary_namespace")]
+        secondary_namespace: Option<String>,
+        /// Only the keys that start with PREFIX.
+        #[arg(long, value_name = "PREFIX")]
+        prefix: Option<String>,
     },
     /// Takes the lease and keeps it until SIGINT/SIGTERM, then releases it. Prints one JSON
     /// line per event: waiting, acquired, write, lost, released.
@@ -122,6 +150,10 @@ enum Command {
         #[arg(long)]
         yes: bool,
     },
+    /// Checks the deployment before it is trusted: server version, privileges, durability
+    /// settings, timeouts, clock, TLS, and the table. A pass/warn/fail table; exit 1 if a
+    /// check fails. Creates nothing and never takes the lease.
+    Doctor,
     /// Every row as a JSON line {primary_namespace, secondary_namespace, key, value (base64)}.
     /// Reads without the lease: rows changed while it runs may or may not be included.
     Export {
@@ -165,7 +197,12 @@ struct HoldArgs {
 
     /// Every MS milliseconds, write an increasing counter, continuing from the key's current
     /// value: `{"counter":N,"epoch":E}`.
-    #[arg(long, value_name = "MS", requires = "counter_key")]
+    #[arg(
+        long,
+        value_name = "MS",
+        requires = "counter_key",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     write_every: Option<u64>,
 
     /// The counter's key: `KEY` (in namespace pgfence/hold) or `NS/SUB/KEY`.
@@ -193,6 +230,11 @@ impl Exit {
     fn other(context: &str, error: &(dyn std::error::Error + 'static)) -> Exit {
         Exit { code: 1, message: format!("{context}: {}", chain(error)) }
     }
+
+    /// Exit 6: the database or table the command names does not exist.
+    fn missing(message: impl Into<String>) -> Exit {
+        Exit { code: 6, message: message.into() }
+    }
 }
 
 impl From<Error> for Exit {
@@ -207,8 +249,44 @@ impl From<Error> for Exit {
             | Error::BatchTooLarge { .. } => 2,
             _ => 1,
         };
-        Exit { code, message: chain(&e) }
+        let mut message = chain(&e);
+        if let Some(hint) = grant_hint(&e) {
+            message.push_str(&format!(" (fix: {hint})"));
+        }
+        Exit { code, message }
     }
+}
+
+/// The role the command connects as, for the `GRANT` a permission error needs.
+static ROLE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// For a permission error (SQLSTATE 42501) anywhere in the chain of `error`: the statement an
+/// administrator runs to fix it, from the server's message.
+fn grant_hint(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut source = Some(error);
+    let db = std::iter::from_fn(|| {
+        let current = source?;
+        source = current.source();
+        Some(current)
+    })
+    .find_map(|e| e.downcast_ref::<tokio_postgres::Error>()?.as_db_error())?;
+    if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {
+        return None;
+    }
+    let role = ROLE.get().map_or("<role>", String::as_str);
+    let message = db.message();
+    let object = |prefix: &str| message.strip_prefix(prefix).map(str::to_owned);
+    Some(if let Some(schema) = object("permission denied for schema ") {
+        format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}")
+    } else if let Some(table) = object("permission denied for table ") {
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}")
+    } else if let Some(database) = object("permission denied for database ") {
+        format!("GRANT CREATE ON DATABASE {database} TO {role}")
+    } else if message.starts_with("permission denied to create database") {
+        format!("ALTER ROLE {role} CREATEDB, or create the database as an administrator")
+    } else {
+        "run `pgfence doctor`, which names the privileges the role lacks".to_owned()
+    })
 }
 
 /// The error and its sources on one line. tokio-postgres already shows its cause in its own
@@ -265,10 +343,83 @@ fn parse_cli() -> Result<Cli, clap::Error> {
 
 /// The library reports renewal retries, failed releases and fallbacks through `tracing`:
 /// show warnings and errors on stderr (`RUST_LOG` overrides, e.g. `RUST_LOG=pgfence=debug`).
+/// Colour only on a terminal, and never with `NO_COLOR` set (<https://no-color.org>).
 fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(io::stderr).init();
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let ansi = io::stderr().is_terminal() && !no_color;
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(io::stderr)
+        .with_ansi(ansi)
+        .with_filter(filter)
+        .with_filter(tracing_subscriber::filter::filter_fn(|event| !reported_by_the_cli(event)));
+    tracing_subscriber::registry().with(layer).with(StandbyTrouble).init();
+}
+
+/// Where [`StandbyTrouble`] sends the standby's warnings while `hold --wait` listens.
+static STANDBY_TROUBLE: std::sync::Mutex<Option<mpsc::UnboundedSender<String>>> =
+    std::sync::Mutex::new(None);
+
+/// Passes the standby's warnings (retries, LISTEN trouble) to `hold --wait`, which reports
+/// them itself: rate-limited, with the whole cause, and as a JSON event a supervisor can see.
+/// The library logs them about once a second, with the cause cut to its first line.
+struct StandbyTrouble;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for StandbyTrouble {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if !is_standby_warning(event.metadata()) {
+            return;
+        }
+        let mut text = EventText::default();
+        event.record(&mut text);
+        let listening = STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(sender) = listening.as_ref() {
+            let _ = sender.send(text.0); // `hold` may have stopped listening.
+        }
+    }
+}
+
+/// An event's message and fields on one line: `message: field=value ...`.
+#[derive(Default)]
+struct EventText(String);
+
+impl tracing::field::Visit for EventText {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let text = match field.name() {
+            "message" => format!("{value:?}"),
+            name => format!("{name}={value:?}"),
+        };
+        if !self.0.is_empty() {
+            self.0.push_str(": ");
+        }
+        self.0.push_str(&text);
+    }
+}
+
+/// The standby's warnings (every `pgfence::failover` warning but the force release's).
+fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
+    event.target() == "pgfence::failover"
+        && *event.level() == tracing::Level::WARN
+        && event.fields().field("holder").is_none()
+}
+
+/// The library's events that the CLI reports itself, which would otherwise say the same thing
+/// twice: the lease loss (the `lost` event and the exit-5 error line), an operator's force
+/// release (the `release` command's own output) and the standby's warnings (see
+/// [`StandbyTrouble`]). Recognised by level, module and a field only they have, as the library
+/// gives its events no stable names.
+fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
+    let has = |field: &str| event.fields().field(field).is_some();
+    match event.target() {
+        "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
+        "pgfence::failover" => *event.level() == tracing::Level::WARN,
+        _ => false,
+    }
 }
 
 fn fail(exit: Exit) -> ExitCode {
@@ -297,6 +448,12 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         }
         _ => {}
     }
+    let suggestion = match (e.kind(), e.get(clap::error::ContextKind::InvalidSubcommand)) {
+        (ErrorKind::InvalidSubcommand, Some(clap::error::ContextValue::String(typed))) => {
+            closest_command(typed).map(|name| format!("; did you mean '{name}'?"))
+        }
+        _ => None,
+    };
     let rendered = e.render().to_string();
     // clap's message is the paragraph before the first blank line; keep its usage line too.
     let message: Vec<&str> =
@@ -304,6 +461,7 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     let message = message.join(" ");
     let message = message.strip_prefix("error: ").unwrap_or(&message);
     let usage = rendered.lines().find_map(|l| l.strip_prefix("Usage: "));
+    let message = format!("{message}{}", suggestion.unwrap_or_default());
     let line = match usage {
         Some(usage) => format!("{message} (usage: {usage}; see --help)"),
         None => format!("{message} (see --help)"),
@@ -311,16 +469,44 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     fail(Exit::usage(line))
 }
 
-/// The TLS client configuration of `--tls-root-cert` (trusting exactly the certificates in
-/// that PEM file) and, if given, `--tls-cert` and `--tls-key`; `None` without `--tls-root-cert`.
-fn tls_config(cli: &Cli) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
+/// The command nearest to a mistyped one, if it is close (at most 2 edits).
+fn closest_command(typed: &str) -> Option<String> {
+    Cli::command()
+        .get_subcommands()
+        .map(|command| command.get_name().to_owned())
+        .map(|name| (edit_distance(typed, &name), name))
+        .filter(|(distance, _)| *distance <= 2)
+        .min()
+        .map(|(_, name)| name)
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != *cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+/// The TLS client configuration of `--tls-root-cert` or `PGSSLROOTCERT` (trusting exactly the
+/// certificates in that PEM file) and, if given, the client certificate and key; `None`
+/// without certificate authorities.
+fn tls_config(files: &libpq_env::TlsFiles) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
     use pgfence::rustls::pki_types::{PrivateKeyDer, pem::PemObject};
-    let Some(root_path) = &cli.tls_root_cert else { return Ok(None) };
+    let Some(root_path) = &files.root_cert else { return Ok(None) };
     let mut roots = pgfence::rustls::RootCertStore::empty();
     for cert in pem_certs("--tls-root-cert", root_path)? {
         roots.add(cert).map_err(|e| bad_file("--tls-root-cert", root_path, e))?;
     }
-    let (Some(cert_path), Some(key_path)) = (&cli.tls_cert, &cli.tls_key) else {
+    let Some((cert_path, key_path)) = &files.client else {
         return Ok(Some(pgfence::tls_client_config(roots)));
     };
     let chain = pem_certs("--tls-cert", cert_path)?;
@@ -350,60 +536,626 @@ fn bad_file(option: &str, path: &std::path::Path, reason: impl std::fmt::Display
 }
 
 async fn run(cli: Cli) -> Result<(), Exit> {
-    let Some(url) = cli.database_url.as_deref().filter(|u| !u.is_empty()) else {
-        return Err(Exit::usage("no database: pass --database-url URL or set DATABASE_URL"));
-    };
-    // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
-    let mut builder = PgKvStore::builder(url).table(&cli.table).pool_size(2);
-    if let Some(tls) = tls_config(&cli)? {
-        builder = builder.tls(tls);
+    let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
+    let var = |name: &str| std::env::var(name).ok();
+    let names_a_server =
+        libpq_env::SERVER_VARIABLES.iter().any(|name| var(name).is_some_and(|v| !v.is_empty()));
+    if url.is_none() && !names_a_server {
+        return Err(Exit::usage(
+            "no database: pass --database-url URL, set DATABASE_URL, or set libpq's PGHOST, \
+             PGPORT, PGUSER or PGDATABASE",
+        ));
     }
+    let options = libpq_env::TlsOptions {
+        root_cert: cli.tls_root_cert.clone(),
+        cert: cli.tls_cert.clone(),
+        key: cli.tls_key.clone(),
+    };
+    let resolved = libpq_env::resolve(url, options, &var).map_err(Exit::usage)?;
+    if let Some(user) = resolved.config.get_user() {
+        let _ = ROLE.set(user.to_owned()); // Set once, here.
+    }
+    for warning in &resolved.warnings {
+        let _ = writeln!(io::stderr(), "pgfence: warning: {warning}");
+    }
+    let tls = tls_config(&resolved.tls)?;
+    // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
+    let mut builder =
+        PgKvStore::builder_from_config(resolved.config.clone()).table(&cli.table).pool_size(2);
+    if let Some(timeout) = resolved.connect_timeout {
+        builder = builder.connect_timeout(timeout);
+    }
+    if let Some(tls) = &tls {
+        builder = builder.tls(tls.clone());
+    }
+    // Bad input and the table name are refused before anything connects.
+    check_input(&cli.command)?;
+    builder.clone().inspect().await?;
+    let target = Target {
+        config: resolved.config,
+        tls,
+        table: cli.table.clone(),
+        connect_timeout: resolved.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
+    };
+    match &cli.command {
+        Command::Status
+        | Command::Get(_)
+        | Command::Ls { .. }
+        | Command::Export { .. }
+        | Command::Release { .. } => target.require_table().await?,
+        // It reports what is missing as a failed check.
+        Command::Doctor => {}
+        Command::Put { .. } | Command::Rm(_) | Command::Import { .. } | Command::Hold(_) => {
+            target
+                .require_database(cli.create_database, matches!(cli.command, Command::Hold(_)))
+                .await?
+        }
+    }
+    let json = cli.json;
     match cli.command {
-        Command::Status { json } => status(builder, json).await,
+        Command::Status => status(builder, json).await,
         Command::Get(k) => {
             let inspector = builder.inspect().await?;
             let value =
                 inspector.read(&k.primary_namespace, &k.secondary_namespace, &k.key).await?;
+            if json {
+                return print_line(&row_json(
+                    &k.primary_namespace,
+                    &k.secondary_namespace,
+                    &k.key,
+                    &value,
+                ));
+            }
             let mut out = io::stdout().lock();
             out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
         }
-        Command::Put { key: k, value } => {
+        Command::Put { key: k, value, value_file } => {
             // Bad input changes nothing: checked before the lease is taken.
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
-            let value = match value {
-                Some(v) if v != "-" => v.into_vec(),
-                _ => {
-                    let mut buf = Vec::new();
-                    io::stdin().read_to_end(&mut buf).map_err(|e| Exit::other("stdin", &e))?;
-                    buf
-                }
-            };
+            let value = put_value(value, value_file)?;
             let store = builder.open().await?;
+            let epoch = store.fencing_token();
             let written =
                 store.write(&k.primary_namespace, &k.secondary_namespace, &k.key, value).await;
-            finish(store, written).await
+            finish(store, written).await?;
+            done_json(json, "put", &k, epoch)
         }
         Command::Rm(k) => {
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let store = builder.open().await?;
+            let epoch = store.fencing_token();
             let removed =
                 store.remove(&k.primary_namespace, &k.secondary_namespace, &k.key, false).await;
-            finish(store, removed).await
+            finish(store, removed).await?;
+            done_json(json, "rm", &k, epoch)
         }
-        Command::Ls { primary_namespace, secondary_namespace } => {
-            let keys =
-                builder.inspect().await?.list(&primary_namespace, &secondary_namespace).await?;
+        Command::Ls { primary_namespace, secondary_namespace, prefix } => {
+            let inspector = builder.inspect().await?;
+            let keys: Vec<(String, String, String)> =
+                match (&primary_namespace, &secondary_namespace) {
+                    (Some(primary), Some(secondary)) => inspector
+                        .list(primary, secondary)
+                        .await?
+                        .into_iter()
+                        .map(|key| (primary.clone(), secondary.clone(), key))
+                        .collect(),
+                    (primary, _) => inspector
+                        .list_all_keys()
+                        .await?
+                        .into_iter()
+                        .filter(|(p, _, _)| primary.as_ref().is_none_or(|primary| p == primary))
+                        .collect(),
+                };
+            let prefix = prefix.unwrap_or_default();
             let mut out = io::stdout().lock();
             keys.iter()
-                .try_for_each(|key| writeln!(out, "{key}"))
+                .filter(|(_, _, key)| key.starts_with(&prefix))
+                .try_for_each(|(p, s, key)| match (json, secondary_namespace.is_some()) {
+                    (true, _) => writeln!(
+                        out,
+                        "{}",
+                        json!({ "primary_namespace": p, "secondary_namespace": s, "key": key })
+                    ),
+                    (false, true) => writeln!(out, "{key}"),
+                    (false, false) => writeln!(out, "{p}/{s}/{key}"),
+                })
                 .and_then(|()| out.flush())
                 .map_err(|e| Exit::other("stdout", &e))
         }
-        Command::Hold(args) => hold(builder, args).await,
-        Command::Release { force, yes } => release(builder, force && yes).await,
+        Command::Hold(args) => hold(builder, args, target).await,
+        Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
-        Command::Import { input } => import(builder, input).await,
+        Command::Doctor => doctor(builder, &target, json).await,
+        Command::Import { input } => import(builder, input, json).await,
     }
+}
+
+/// One line on stdout.
+fn print_line(line: &dyn std::fmt::Display) -> Result<(), Exit> {
+    writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
+}
+
+/// A row as `export` writes it (`value` in base64); also `get --json`.
+fn row_json(primary: &str, secondary: &str, key: &str, value: &[u8]) -> Value {
+    json!({
+        "primary_namespace": primary,
+        "secondary_namespace": secondary,
+        "key": key,
+        "value": BASE64.encode(value),
+    })
+}
+
+/// What `put --json` and `rm --json` print once done: the command, the key and the epoch of
+/// the lease it was done under. Nothing without `--json`.
+fn done_json(json: bool, command: &str, k: &KeyArgs, epoch: i64) -> Result<(), Exit> {
+    if !json {
+        return Ok(());
+    }
+    print_line(&json!({
+        "command": command,
+        "primary_namespace": k.primary_namespace,
+        "secondary_namespace": k.secondary_namespace,
+        "key": k.key,
+        "epoch": epoch,
+    }))
+}
+
+/// Refuses bad arguments that clap cannot check (keys, confirmations) with exit 2, before
+/// anything connects.
+fn check_input(command: &Command) -> Result<(), Exit> {
+    match command {
+        Command::Get(k) | Command::Put { key: k, .. } | Command::Rm(k) => {
+            check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
+        }
+        // Any valid key: only the namespaces are checked.
+        Command::Ls { primary_namespace: Some(primary), secondary_namespace, .. } => {
+            check_key(primary, secondary_namespace.as_deref().unwrap_or(""), "k")?;
+        }
+        Command::Release { force, yes } if !(*force && *yes) => {
+            return Err(Exit::usage(
+                "release expires the lease of a possibly live holder; pass both --force and --yes",
+            ));
+        }
+        Command::Hold(args) => {
+            args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The value of `put`: the argument, or stdin when it is `-`, or the file of `--value-file`
+/// (`-`: stdin). Stdin is never read unasked: a script that forgot the value must not blank
+/// the key.
+fn put_value(value: Option<OsString>, file: Option<PathBuf>) -> Result<Vec<u8>, Exit> {
+    let read_stdin = || {
+        let mut buf = Vec::new();
+        io::stdin().read_to_end(&mut buf).map_err(|e| Exit::other("stdin", &e))?;
+        Ok(buf)
+    };
+    match (value, file) {
+        (Some(value), None) if value == "-" => read_stdin(),
+        (Some(value), None) => Ok(value.into_vec()),
+        (None, Some(file)) if file.as_os_str() == "-" => read_stdin(),
+        (None, Some(file)) => std::fs::read(&file)
+            .map_err(|e| Exit::usage(format!("--value-file {}: {e}", file.display()))),
+        // clap requires exactly one of them.
+        _ => Err(Exit::usage("put needs VALUE (`-`: stdin) or --value-file FILE")),
+    }
+}
+
+/// The connect timeout when `PGCONNECT_TIMEOUT` sets none: the library's default.
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a command connects, for the checks the CLI makes itself before handing over to the
+/// library: that the database (and for reads, the table) exists. The library's `open()`
+/// creates a missing database and table, which a typo must not do.
+#[derive(Clone)]
+struct Target {
+    config: tokio_postgres::Config,
+    tls: Option<pgfence::rustls::ClientConfig>,
+    table: String,
+    connect_timeout: Duration,
+}
+
+/// Why [`Target::connect`] failed.
+enum ConnectError {
+    /// The database does not exist (SQLSTATE 3D000).
+    NoDatabase(String),
+    Other(Exit),
+}
+
+impl Target {
+    /// `host:port` of every host, as psql names them (never the password).
+    fn servers(&self) -> String {
+        use tokio_postgres::config::Host;
+        let ports = self.config.get_ports();
+        let servers: Vec<String> = self
+            .config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match host {
+                    Host::Tcp(name) => format!("{name}:{port}"),
+                    Host::Unix(dir) => format!("{}/.s.PGSQL.{port}", dir.display()),
+                }
+            })
+            .collect();
+        servers.join(",")
+    }
+
+    fn database(&self) -> &str {
+        self.config.get_dbname().or(self.config.get_user()).unwrap_or("postgres")
+    }
+
+    async fn connect(&self) -> Result<tokio_postgres::Client, ConnectError> {
+        use tokio_postgres::error::SqlState;
+        let mut config = self.config.clone();
+        config.connect_timeout(self.connect_timeout);
+        let connecting = async {
+            match &self.tls {
+                Some(tls) => {
+                    // Never a fallback to plain text: the password must not go out unencrypted.
+                    config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls.clone());
+                    let (client, connection) = config.connect(tls).await?;
+                    tokio::spawn(connection);
+                    Ok(client)
+                }
+                None => {
+                    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+                    tokio::spawn(connection);
+                    Ok::<_, tokio_postgres::Error>(client)
+                }
+            }
+        };
+        let servers = self.servers();
+        match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
+                Err(ConnectError::NoDatabase(format!(
+                    "database {:?} does not exist on {servers}",
+                    self.database()
+                )))
+            }
+            Ok(Err(e)) => {
+                Err(ConnectError::Other(Exit::other(&format!("cannot connect to {servers}"), &e)))
+            }
+            Err(_) => Err(ConnectError::Other(Exit {
+                code: 1,
+                message: format!(
+                    "cannot connect to {servers}: no answer within {}",
+                    secs(self.connect_timeout)
+                ),
+            })),
+        }
+    }
+
+    /// For commands that only read: exit 6 unless the database and both tables exist.
+    async fn require_table(&self) -> Result<(), Exit> {
+        let client = match self.connect().await {
+            Ok(client) => client,
+            Err(ConnectError::NoDatabase(message)) => {
+                return Err(Exit::missing(format!("{message} (check the connection string)")));
+            }
+            Err(ConnectError::Other(exit)) => return Err(exit),
+        };
+        let (kv, lease) = (quote_table(&self.table, ""), quote_table(&self.table, "_lease"));
+        let row = client
+            .query_one(TABLES_EXIST, &[&kv, &lease])
+            .await
+            .map_err(|e| Exit::other("check the table", &e))?;
+        let (has_kv, has_lease): (bool, bool) = (row.get(0), row.get(1));
+        let database = self.database();
+        match (has_kv, has_lease) {
+            (true, true) => Ok(()),
+            (false, _) => Err(Exit::missing(format!(
+                "no table {} in database {database:?} (check --table; nothing was created)",
+                self.table
+            ))),
+            (true, false) => Err(Exit::missing(format!(
+                "table {} in database {database:?} has no lease table {}_lease: not a pgfence \
+                 table (check --table)",
+                self.table, self.table
+            ))),
+        }
+    }
+
+    /// For commands that write: exit 6 if the database does not exist, unless `create` (the
+    /// library then creates it). A `standby` goes on to the library on other connection
+    /// errors, which it rides out; the others report them here, naming the server.
+    async fn require_database(&self, create: bool, standby: bool) -> Result<(), Exit> {
+        match self.connect().await {
+            Ok(_) => Ok(()),
+            Err(ConnectError::NoDatabase(_)) if create => Ok(()),
+            Err(ConnectError::NoDatabase(message)) => Err(Exit::missing(format!(
+                "{message} (check the connection string, or pass --create-database to create it)"
+            ))),
+            Err(ConnectError::Other(_)) if standby => Ok(()),
+            Err(ConnectError::Other(exit)) => Err(exit),
+        }
+    }
+}
+
+/// Whether the KV table and its lease table exist, by their quoted names (resolved on the
+/// search path when unqualified, as the store's statements are). A missing schema is a
+/// missing table.
+const TABLES_EXIST: &str =
+    "SELECT to_regclass($1::text) IS NOT NULL, to_regclass($2::text) IS NOT NULL";
+
+/// `table` (`name` or `schema.name`, already checked by the library) with `suffix` added to
+/// the name, each part quoted.
+fn quote_table(table: &str, suffix: &str) -> String {
+    let quote = |part: &str| format!("\"{}\"", part.replace('"', "\"\""));
+    match table.split_once('.') {
+        Some((schema, name)) => format!("{}.{}", quote(schema), quote(&format!("{name}{suffix}"))),
+        None => quote(&format!("{table}{suffix}")),
+    }
+}
+
+/// A duration as people read it: `4.0 s`, the one format of every human line.
+fn secs(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
+}
+
+/// One check of `doctor`.
+struct Check {
+    name: &'static str,
+    status: Status,
+    /// What was found and, for a warning or a failure, what to change.
+    detail: String,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Status {
+    Pass,
+    Warn,
+    Fail,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Pass => "pass",
+            Status::Warn => "warn",
+            Status::Fail => "fail",
+        }
+    }
+}
+
+fn check(name: &'static str, status: Status, detail: impl Into<String>) -> Check {
+    Check { name, status, detail: detail.into() }
+}
+
+/// The server-side facts `doctor` reads, in one statement: nothing is created or changed.
+/// (`has_table_privilege` with a list is true if any one is held, hence one call each.)
+const DOCTOR_FACTS: &str = "SELECT
+    current_setting('server_version_num')::int,
+    current_setting('server_version'),
+    current_setting('synchronous_commit'),
+    current_setting('synchronous_standby_names'),
+    current_setting('idle_in_transaction_session_timeout'),
+    current_setting('statement_timeout'),
+    coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false),
+    extract(epoch FROM clock_timestamp())::float8,
+    current_user::text,
+    (SELECT rolsuper FROM pg_roles WHERE rolname = current_user),
+    current_user = session_user,
+    to_regclass($1::text) IS NOT NULL,
+    to_regclass($2::text) IS NOT NULL,
+    to_regclass($3::text) IS NOT NULL,
+    coalesce(to_regnamespace($4::text)::text, ''),
+    CASE WHEN to_regnamespace($4::text) IS NULL THEN false
+         ELSE has_schema_privilege(to_regnamespace($4::text), 'CREATE') END,
+    CASE WHEN to_regclass($1::text) IS NULL THEN true
+         ELSE has_table_privilege($1::text, 'SELECT') AND has_table_privilege($1::text, 'INSERT')
+          AND has_table_privilege($1::text, 'UPDATE') AND has_table_privilege($1::text, 'DELETE')
+    END,
+    CASE WHEN to_regclass($2::text) IS NULL THEN true
+         ELSE has_table_privilege($2::text, 'SELECT') AND has_table_privilege($2::text, 'UPDATE')
+    END";
+
+/// `doctor`: each check a row of a pass/warn/fail table (or `--json`); exit 1 if one fails.
+async fn doctor(builder: Builder, target: &Target, json: bool) -> Result<(), Exit> {
+    let checks = doctor_checks(builder, target).await;
+    let worst = checks.iter().map(|c| c.status).max().unwrap_or(Status::Pass);
+    if json {
+        let rows: Vec<Value> = checks
+            .iter()
+            .map(|c| json!({ "check": c.name, "status": c.status.as_str(), "detail": c.detail }))
+            .collect();
+        print_line(&json!({ "status": worst.as_str(), "checks": rows }))?;
+    } else {
+        let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+        let mut out = io::stdout().lock();
+        for c in &checks {
+            writeln!(out, "{:<width$}  {:<4}  {}", c.name, c.status.as_str(), c.detail)
+                .map_err(|e| Exit::other("stdout", &e))?;
+        }
+    }
+    match worst {
+        Status::Fail => Err(Exit { code: 1, message: "doctor: a check failed".to_owned() }),
+        _ => Ok(()),
+    }
+}
+
+async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let started = std::time::SystemTime::now();
+    let client = match target.connect().await {
+        Ok(client) => client,
+        Err(ConnectError::NoDatabase(message)) => {
+            checks.push(check(
+                "connection",
+                Status::Fail,
+                format!("{message}: create it (CREATE DATABASE) or fix the connection string"),
+            ));
+            return checks;
+        }
+        Err(ConnectError::Other(exit)) => {
+            checks.push(check("connection", Status::Fail, exit.message));
+            return checks;
+        }
+    };
+    checks.push(check("connection", Status::Pass, format!("connected to {}", target.servers())));
+    let kv = quote_table(&target.table, "");
+    let lease = quote_table(&target.table, "_lease");
+    let version = quote_table(&target.table, "_schema_version");
+    let schema = match target.table.split_once('.') {
+        Some((schema, _)) => schema.to_owned(),
+        None => String::new(),
+    };
+    // Unqualified: the first schema of the search path that exists, where the store creates.
+    let schema_sql = if schema.is_empty() { "current_schema()".to_owned() } else { schema.clone() };
+    let facts = match client.query_one(DOCTOR_FACTS, &[&kv, &lease, &version, &schema_sql]).await {
+        Ok(row) => row,
+        Err(e) => {
+            checks.push(check("server facts", Status::Fail, chain(&e)));
+            return checks;
+        }
+    };
+    let rtt = started.elapsed().unwrap_or_default();
+    let number: i32 = facts.get(0);
+    let shown: String = facts.get(1);
+    checks.push(match number {
+        n if n < 100_000 => check("server version", Status::Fail, format!(
+            "PostgreSQL {shown}: pgfence needs 10 or later; upgrade the server"
+        )),
+        n if (150_000..160_000).contains(&n) => {
+            check("server version", Status::Pass, format!("PostgreSQL {shown}"))
+        }
+        _ => check("server version", Status::Warn, format!(
+            "PostgreSQL {shown}: pgfence is tested on 15 only; run its tests against this server"
+        )),
+    });
+    let (sync_commit, standbys): (String, String) = (facts.get(2), facts.get(3));
+    checks.push(match sync_commit.as_str() {
+        "off" | "local" => check("synchronous_commit", Status::Warn, format!(
+            "{sync_commit}: an acknowledged write may be lost in a crash;              ALTER ROLE ... SET synchronous_commit = on"
+        )),
+        _ => check("synchronous_commit", Status::Pass, sync_commit.clone()),
+    });
+    checks.push(if standbys.trim().is_empty() {
+        check("synchronous_standby_names", Status::Warn,
+            "empty: acknowledged writes are on this server only, and a failover to a replica may              lose them; list the replicas in synchronous_standby_names")
+    } else {
+        check("synchronous_standby_names", Status::Pass, standbys.clone())
+    });
+    let (idle, statement): (String, String) = (facts.get(4), facts.get(5));
+    checks.push(if idle == "0" {
+        check("idle_in_transaction_session_timeout", Status::Warn,
+            "0 (none): a session left idle in a transaction keeps its locks for good;              ALTER ROLE ... SET idle_in_transaction_session_timeout = '1min'")
+    } else {
+        check("idle_in_transaction_session_timeout", Status::Pass, idle)
+    });
+    checks.push(if statement == "0" {
+        check("statement_timeout", Status::Warn,
+            "0 (none): a stuck statement runs for good;              ALTER ROLE ... SET statement_timeout = '1min' (above your longest batch)")
+    } else {
+        check("statement_timeout", Status::Pass, statement)
+    });
+    let ssl: bool = facts.get(6);
+    checks.push(if ssl {
+        check("tls", Status::Pass, "the connection is encrypted")
+    } else {
+        check(
+            "tls",
+            Status::Warn,
+            "plain text: pass --tls-root-cert (or PGSSLMODE=verify-full with PGSSLROOTCERT)",
+        )
+    });
+    let server_clock: f64 = facts.get(7);
+    let local_clock = started.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let difference = (server_clock - (local_clock + rtt / 2).as_secs_f64()).abs();
+    let difference = Duration::from_secs_f64(difference);
+    checks.push(if difference > Duration::from_secs(1) {
+        check("clock", Status::Warn, format!(
+            "this machine and the server differ by {}: leases go by the server's clock, but              logs will not line up; run NTP on both", secs(difference)
+        ))
+    } else {
+        check("clock", Status::Pass, format!("within {} of the server", secs(difference.max(rtt))))
+    });
+    let (role, superuser, own_role): (String, Option<bool>, bool) =
+        (facts.get(8), facts.get(9), facts.get(10));
+    let (has_kv, has_lease, has_version): (bool, bool, bool) =
+        (facts.get(11), facts.get(12), facts.get(13));
+    let (schema_name, can_create, kv_rights, lease_rights): (String, bool, bool, bool) =
+        (facts.get(14), facts.get(15), facts.get(16), facts.get(17));
+    let superuser = superuser.unwrap_or(false);
+    checks.push(match (has_kv, can_create || superuser) {
+        (true, _) if kv_rights && lease_rights => {
+            check("privileges", Status::Pass, format!("{role} may use the tables"))
+        }
+        (true, _) => check("privileges", Status::Fail, format!(
+            "{role} lacks rights on the tables: GRANT SELECT, INSERT, UPDATE, DELETE ON {kv}, {lease} TO {role}"
+        )),
+        (false, true) => check("privileges", Status::Pass, format!(
+            "{role} may create the tables in schema {schema_name}"
+        )),
+        (false, false) if schema_name.is_empty() => check("privileges", Status::Fail, format!(
+            "schema {} does not exist: CREATE SCHEMA {} AUTHORIZATION {role}",
+            if schema.is_empty() { "(search path)" } else { &schema },
+            if schema.is_empty() { "..." } else { &schema }
+        )),
+        (false, false) => check("privileges", Status::Fail, format!(
+            "{role} cannot create the tables: GRANT CREATE ON SCHEMA {schema_name} TO {role}"
+        )),
+    });
+    checks.push(if own_role || superuser {
+        check("session control", Status::Pass, format!("{role} can end its own sessions"))
+    } else {
+        check("session control", Status::Fail,
+            "current_user differs from the login role (SET ROLE): pgfence could not end a              session whose write may still commit; log in as the role that owns the tables")
+    });
+    drop(client);
+    if !(has_kv && has_lease) {
+        checks.push(check(
+            "table",
+            Status::Warn,
+            format!("no table {} yet: put, import or hold creates it", target.table),
+        ));
+        return checks;
+    }
+    let schema_version = if has_version {
+        match target.connect().await {
+            Ok(client) => {
+                let sql = format!("SELECT coalesce(max(version), 0) FROM {version}");
+                client.query_one(&sql, &[]).await.map(|row| row.get::<_, i32>(0)).ok()
+            }
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    checks.push(match schema_version {
+        Some(v) => check("schema version", Status::Pass, format!("{v}")),
+        None => check(
+            "schema version",
+            Status::Warn,
+            format!("no readable {version}: opening a store migrates it"),
+        ),
+    });
+    let lease_state = match builder.inspect().await {
+        Ok(inspector) => inspector.lease_info().await,
+        Err(e) => Err(e),
+    };
+    checks.push(match lease_state {
+        Ok(Some(i)) if i.active => check(
+            "lease",
+            Status::Pass,
+            format!("held by {} (epoch {}, expires in {})", i.holder, i.epoch, secs(i.expires_in)),
+        ),
+        Ok(Some(i)) => check(
+            "lease",
+            Status::Pass,
+            format!("free (last epoch {}, last holder {})", i.epoch, i.holder),
+        ),
+        Ok(None) => check("lease", Status::Pass, "free (never held)"),
+        Err(e) => check("lease", Status::Fail, chain(&e)),
+    });
+    checks
 }
 
 /// Closes a store after a one-shot mutation, releasing the lease at once. The mutation's
@@ -432,14 +1184,16 @@ async fn status(builder: Builder, json: bool) -> Result<(), Exit> {
             "expires_in_ms": i.expires_in.as_millis() as u64,
         })
         .to_string(),
-        (Some(i), true) => json!({ "state": "free", "epoch": i.epoch }).to_string(),
+        (Some(i), true) => {
+            json!({ "state": "free", "epoch": i.epoch, "holder": i.holder }).to_string()
+        }
         (None, true) => json!({ "state": "free", "epoch": null }).to_string(),
         (Some(i), false) if i.active => format!(
-            "held by {} (epoch {}, owner {}, expires in {:.1} s)",
+            "held by {} (epoch {}, owner {}, expires in {})",
             i.holder,
             i.epoch,
             i.owner_id,
-            i.expires_in.as_secs_f64()
+            secs(i.expires_in)
         ),
         (Some(i), false) => format!("free (last epoch {}, last holder {})", i.epoch, i.holder),
         (None, false) => "free (never held)".to_owned(),
@@ -447,21 +1201,41 @@ async fn status(builder: Builder, json: bool) -> Result<(), Exit> {
     writeln!(io::stdout(), "{line}").map_err(|e| Exit::other("stdout", &e))
 }
 
-async fn release(builder: Builder, confirmed: bool) -> Result<(), Exit> {
+async fn release(builder: Builder, confirmed: bool, json: bool) -> Result<(), Exit> {
     if !confirmed {
         return Err(Exit::usage(
             "release expires the lease of a possibly live holder; pass both --force and --yes",
         ));
     }
     let inspector = builder.inspect().await?;
-    let line = match inspector.force_release().await? {
+    let released = inspector.force_release().await?;
+    let now = match released {
+        Some(_) => None,
+        None => inspector.lease_info().await?.filter(|info| info.active),
+    };
+    if json {
+        let holder = |state: &str, info: &pgfence::LeaseInfo| {
+            json!({
+                "state": state,
+                "holder": info.holder,
+                "epoch": info.epoch,
+                "owner_id": info.owner_id.to_string(),
+            })
+        };
+        return print_line(&match (&released, &now) {
+            (Some(held), _) => holder("released", held),
+            (None, Some(now)) => holder("changed_hands", now),
+            (None, None) => json!({ "state": "nobody" }),
+        });
+    }
+    let line = match released {
         Some(held) => format!(
             "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
             held.holder, held.epoch, held.owner_id
         ),
         // Released nothing. A live holder now took the lease while this command ran (the
         // release is by the owner it found): name it, and do not release it unasked.
-        None => match inspector.lease_info().await?.filter(|info| info.active) {
+        None => match now {
             Some(now) => format!(
                 "released nothing: the lease changed hands while this command ran and is held by \
                  {} (epoch {}, owner {}); run it again to release that holder",
@@ -489,23 +1263,19 @@ async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(), Exit> {
             Err(e) if e.is_not_found() => continue, // Removed since the listing.
             Err(e) => return Err(e.into()),
         };
-        let line = json!({
-            "primary_namespace": primary,
-            "secondary_namespace": secondary,
-            "key": key,
-            "value": BASE64.encode(value),
-        });
+        let line = row_json(&primary, &secondary, &key, &value);
         writeln!(writer, "{line}").map_err(|e| Exit::other(&target, &e))?;
     }
     writer.flush().map_err(|e| Exit::other(&target, &e))
 }
 
-async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
+async fn import(builder: Builder, input: Option<PathBuf>, json: bool) -> Result<(), Exit> {
     let source = input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string());
     let reader: Box<dyn BufRead> = match &input {
-        Some(path) => {
-            Box::new(BufReader::new(File::open(path).map_err(|e| Exit::other(&source, &e))?))
-        }
+        // An input file that cannot be opened is a bad input file: exit 2.
+        Some(path) => Box::new(BufReader::new(
+            File::open(path).map_err(|e| Exit::usage(format!("--in {source}: {e}")))?,
+        )),
         None => Box::new(io::stdin().lock()),
     };
     // Parse everything before taking the lease: bad input changes nothing.
@@ -530,7 +1300,11 @@ async fn import(builder: Builder, input: Option<PathBuf>) -> Result<(), Exit> {
         rows.into_iter().fold(store.batch(), |batch, (p, s, k, v)| batch.put(&p, &s, &k, v));
     let committed = batch.commit().await;
     finish(store, committed).await?;
-    writeln!(io::stdout(), "imported {count} keys").map_err(|e| Exit::other("stdout", &e))
+    if json {
+        return print_line(&json!({ "command": "import", "imported": count }));
+    }
+    let keys = if count == 1 { "key" } else { "keys" };
+    print_line(&format_args!("imported {count} {keys}"))
 }
 
 type Row = (String, String, String, Vec<u8>);
@@ -577,9 +1351,38 @@ impl Signals {
 
 /// One JSON line on stdout. A closed stdout does not stop the holder: the lease, not the
 /// output, is what it is for.
-fn emit(event: Value) {
+fn emit(mut event: Value) {
+    event["at"] = Value::String(utc_now());
     let mut out = io::stdout().lock();
     let _ = writeln!(out, "{event}").and_then(|()| out.flush());
+}
+
+/// The time now, UTC, as RFC 3339 with milliseconds: `2026-12-01T23:57:04.123Z`.
+fn utc_now() -> String {
+    let now = std::time::SystemTime::now();
+    rfc3339(now.duration_since(std::time::UNIX_EPOCH).unwrap_or_default())
+}
+
+/// `since` the Unix epoch as RFC 3339, UTC, with milliseconds.
+fn rfc3339(since: Duration) -> String {
+    let (days, secs) = (since.as_secs() / 86_400, since.as_secs() % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        secs / 3_600,
+        secs % 3_600 / 60,
+        secs % 60,
+        since.subsec_millis()
+    )
 }
 
 /// Where `hold --write-every` writes its counter.
@@ -621,7 +1424,10 @@ enum Ended {
     WriterFailed(Error),
 }
 
-async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
+/// How often at most `hold --wait` reports that the standby cannot reach the database.
+const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
+
+async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
     // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0",
     // never the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
@@ -637,11 +1443,40 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
     let opened = if args.wait {
         let standby = builder.standby();
         let mut progress = standby.progress();
+        let (trouble_sender, mut trouble) = mpsc::unbounded_channel();
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(trouble_sender);
+        // A report is made by a connection attempt of the CLI's own, which names the server
+        // and gives the whole cause; spawned, so the standby's opening is never held up.
+        let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
+        let mut reported_at: Option<tokio::time::Instant> = None;
+        let mut probing = false;
         let opening = standby.open_until(signals.recv());
         tokio::pin!(opening);
-        loop {
+        let opened = loop {
             tokio::select! {
-                opened = &mut opening => break opened?,
+                opened = &mut opening => break opened,
+                Some(warning) = trouble.recv() => {
+                    let due = reported_at.is_none_or(|at| at.elapsed() >= TROUBLE_REPORT_EVERY);
+                    if due && !probing {
+                        probing = true;
+                        let (target, sender) = (target.clone(), report_sender.clone());
+                        tokio::spawn(async move {
+                            let cause = match target.connect().await {
+                                Err(ConnectError::Other(exit)) => exit.message,
+                                Err(ConnectError::NoDatabase(message)) => message,
+                                // Reachable now: the library's own words are all there is.
+                                Ok(_) => warning,
+                            };
+                            let _ = sender.send(cause);
+                        });
+                    }
+                }
+                Some(cause) = reports.recv() => {
+                    probing = false;
+                    reported_at = Some(tokio::time::Instant::now());
+                    emit(json!({ "event": "retrying", "error": cause }));
+                    let _ = writeln!(io::stderr(), "pgfence: standby retrying: {cause}");
+                }
                 Ok(()) = progress.changed() => {
                     let state = progress.borrow_and_update().clone();
                     if let StandbyState::Waiting { holder, epoch, expires_in } = state {
@@ -654,7 +1489,9 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
                     }
                 }
             }
-        }
+        };
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        opened?
     } else {
         builder.open_until(signals.recv()).await?
     };
@@ -675,7 +1512,7 @@ async fn hold(builder: Builder, args: HoldArgs) -> Result<(), Exit> {
                     return Err(exit);
                 }
             };
-            let every = Duration::from_millis(every.max(1));
+            let every = Duration::from_millis(every);
             Some(tokio::spawn(write_counter(store.clone(), counter, start, every, stopped)))
         }
         _ => None,
@@ -837,5 +1674,17 @@ async fn write_counter(
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339(Duration::ZERO), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(Duration::from_millis(951_782_400_250)), "2000-02-29T00:00:00.250Z");
+        assert_eq!(rfc3339(Duration::from_secs(1_796_169_599)), "2026-12-01T23:59:59.000Z");
     }
 }

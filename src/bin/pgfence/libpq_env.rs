@@ -1,0 +1,298 @@
+//! libpq's environment for the connection: `PGHOST`, `PGPORT`, `PGUSER`, `PGDATABASE`,
+//! `PGPASSWORD`, `PGPASSFILE` and `~/.pgpass`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`, and the TLS
+//! files `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`.
+//!
+//! As in libpq, a parameter given in the connection string wins; the environment fills only
+//! what the string leaves out. tokio-postgres parses connection strings but reads no
+//! environment, and the crates that add it leave out `PGPASSWORD`, the TLS variables and
+//! libpq's password-file rules, so this is written out here. It depends on nothing of the CLI
+//! (the environment is passed in as a function), so it can move into the library as
+//! `Builder::from_env()`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio_postgres::Config;
+use tokio_postgres::config::{Host, SslMode};
+
+/// libpq's default port.
+const DEFAULT_PORT: u16 = 5432;
+
+/// Where libpq looks for the server's Unix socket when no host is given: Debian's build uses
+/// the first, upstream's the second.
+const SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];
+
+/// The variables that name a server: with none of them and no connection string, there is
+/// nothing to connect to (pgfence does not guess a local server).
+pub(crate) const SERVER_VARIABLES: [&str; 4] = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"];
+
+/// The TLS that the connection string and the environment ask for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct TlsFiles {
+    /// The certificate authorities to trust; `None`: no TLS.
+    pub(crate) root_cert: Option<PathBuf>,
+    /// The client certificate and its key, both or neither.
+    pub(crate) client: Option<(PathBuf, PathBuf)>,
+}
+
+/// A connection configuration with the environment applied.
+#[derive(Debug)]
+pub(crate) struct Resolved {
+    pub(crate) config: Config,
+    /// `PGCONNECT_TIMEOUT` (libpq: at least 2 s; 0 means the default).
+    pub(crate) connect_timeout: Option<Duration>,
+    pub(crate) tls: TlsFiles,
+    /// Things the operator should know, as libpq prints them (an ignored password file).
+    pub(crate) warnings: Vec<String>,
+}
+
+/// The TLS files given as options (`--tls-root-cert`, ...), which win over the environment.
+#[derive(Debug, Default)]
+pub(crate) struct TlsOptions {
+    pub(crate) root_cert: Option<PathBuf>,
+    pub(crate) cert: Option<PathBuf>,
+    pub(crate) key: Option<PathBuf>,
+}
+
+/// `url` (if any) with the environment `var` applied, libpq's way. An error is a usage error.
+pub(crate) fn resolve(
+    url: Option<&str>,
+    options: TlsOptions,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Result<Resolved, String> {
+    // A variable set to the empty string counts as unset, as it does for libpq.
+    let var = |name: &str| var(name).filter(|v| !v.is_empty());
+    let mut config = match url {
+        Some(url) => {
+            url.parse::<Config>().map_err(|e| format!("invalid connection string: {e}"))?
+        }
+        None => Config::new(),
+    };
+    if config.get_hosts().is_empty() {
+        match var("PGHOST") {
+            Some(hosts) => hosts.split(',').for_each(|host| add_host(&mut config, host)),
+            None => {
+                let port = config.get_ports().first().copied();
+                let port = port.or_else(|| var("PGPORT").and_then(|p| p.parse().ok()));
+                match default_socket_dir(port.unwrap_or(DEFAULT_PORT)) {
+                    Some(dir) => config.host_path(dir),
+                    None => config.host("localhost"),
+                };
+            }
+        }
+    }
+    if config.get_ports().is_empty()
+        && let Some(ports) = var("PGPORT")
+    {
+        for port in ports.split(',') {
+            let port =
+                port.trim().parse::<u16>().map_err(|_| format!("PGPORT={ports:?}: not a port"))?;
+            config.port(port);
+        }
+    }
+    if config.get_user().is_none() {
+        // libpq's default is the operating system user.
+        if let Some(user) = var("PGUSER").or_else(|| var("USER")).or_else(|| var("LOGNAME")) {
+            config.user(user);
+        }
+    }
+    if config.get_dbname().is_none()
+        && let Some(dbname) = var("PGDATABASE")
+    {
+        config.dbname(dbname);
+    }
+    if config.get_application_name().is_none()
+        && let Some(name) = var("PGAPPNAME")
+    {
+        config.application_name(name);
+    }
+    let connect_timeout = match var("PGCONNECT_TIMEOUT") {
+        None => None,
+        Some(text) => {
+            let secs: i64 = text
+                .trim()
+                .parse()
+                .map_err(|_| format!("PGCONNECT_TIMEOUT={text:?}: not a number of seconds"))?;
+            // As libpq: zero or less waits indefinitely (here: the default), less than 2 is 2.
+            (secs > 0).then(|| Duration::from_secs(secs.max(2).unsigned_abs()))
+        }
+    };
+    let mut warnings = Vec::new();
+    if config.get_password().is_none() {
+        match var("PGPASSWORD") {
+            Some(password) => {
+                config.password(password);
+            }
+            None => {
+                let file = var("PGPASSFILE")
+                    .map(PathBuf::from)
+                    .or_else(|| var("HOME").map(|home| Path::new(&home).join(".pgpass")));
+                if let Some(file) = file
+                    && let Some(password) = passfile_password(&file, &config, &mut warnings)
+                {
+                    config.password(password);
+                }
+            }
+        }
+    }
+    let tls = tls_files(url, &mut config, options, &var)?;
+    Ok(Resolved { config, connect_timeout, tls, warnings })
+}
+
+fn add_host(config: &mut Config, host: &str) {
+    let host = host.trim();
+    if host.starts_with('/') {
+        config.host_path(host);
+    } else {
+        config.host(host);
+    }
+}
+
+/// libpq's default Unix socket directory that has a socket for `port`.
+fn default_socket_dir(port: u16) -> Option<&'static str> {
+    SOCKET_DIRS.into_iter().find(|dir| Path::new(dir).join(format!(".s.PGSQL.{port}")).exists())
+}
+
+/// The password for the first host of `config` in the password file `path`, by libpq's rules:
+/// lines `host:port:database:user:password`, `*` matching anything, `\` escaping `:` and `\`,
+/// `#` starting a comment; the first matching line wins. A missing file is no password; a file
+/// with group or world access is ignored with a warning, as libpq does.
+fn passfile_password(path: &Path, config: &Config, warnings: &mut Vec<String>) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    if !metadata.is_file() {
+        warnings.push(format!("password file {} is not a plain file: ignored", path.display()));
+        return None;
+    }
+    if metadata.permissions().mode() & 0o077 != 0 {
+        warnings.push(format!(
+            "password file {} has group or world access; permissions should be u=rw (0600) or \
+             less: ignored",
+            path.display()
+        ));
+        return None;
+    }
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => {
+            warnings.push(format!("password file {}: {e}: ignored", path.display()));
+            return None;
+        }
+    };
+    let host = match config.get_hosts().first() {
+        Some(Host::Tcp(name)) => name.clone(),
+        // libpq matches a socket in the default directory as `localhost`.
+        Some(Host::Unix(dir)) if SOCKET_DIRS.iter().any(|d| dir == Path::new(d)) => {
+            "localhost".to_owned()
+        }
+        Some(Host::Unix(dir)) => dir.display().to_string(),
+        None => "localhost".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(DEFAULT_PORT).to_string();
+    let user = config.get_user().unwrap_or_default();
+    let dbname = config.get_dbname().unwrap_or(user);
+    let wanted = [host.as_str(), port.as_str(), dbname, user];
+    text.lines().filter(|line| !line.starts_with('#') && !line.trim().is_empty()).find_map(|line| {
+        let fields = split_passfile_line(line);
+        let [h, p, d, u, password] = fields.as_slice() else { return None };
+        let matches =
+            [h, p, d, u].iter().zip(wanted).all(|(field, want)| *field == "*" || *field == want);
+        matches.then(|| password.clone())
+    })
+}
+
+/// The fields of a password-file line: split at unescaped `:`, with `\x` read as `x`.
+fn split_passfile_line(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => fields.last_mut().expect("one field").extend(chars.next()),
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => fields.last_mut().expect("one field").push(c),
+        }
+    }
+    fields
+}
+
+/// The TLS files: options first, then `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY`, as
+/// `PGSSLMODE` (or the string's `sslmode`) asks. pgfence always verifies the server's
+/// certificate and host name when it uses TLS, so a mode that asks for TLS needs the
+/// certificate authorities; `verify-ca` is verified as `verify-full`.
+fn tls_files(
+    url: Option<&str>,
+    config: &mut Config,
+    options: TlsOptions,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Result<TlsFiles, String> {
+    // tokio-postgres does not say whether the string set `sslmode` (it defaults to prefer).
+    let url_mode = url.is_some_and(|u| u.contains("sslmode="));
+    let env_mode = var("PGSSLMODE");
+    let mode = match (&env_mode, url_mode) {
+        (Some(mode), false) => mode.as_str(),
+        (_, true) => match config.get_ssl_mode() {
+            SslMode::Disable => "disable",
+            SslMode::Require => "require",
+            _ => "prefer",
+        },
+        (None, false) => "prefer",
+    };
+    let from_env = |name: &str| var(name).map(PathBuf::from);
+    let home_file = |name: &str| {
+        var("HOME")
+            .map(|home| Path::new(&home).join(".postgresql").join(name))
+            .filter(|p| p.exists())
+    };
+    let verify = match mode {
+        "disable" => {
+            if options.root_cert.is_some() {
+                return Err("sslmode disable contradicts --tls-root-cert".to_owned());
+            }
+            config.ssl_mode(SslMode::Disable);
+            return Ok(TlsFiles::default());
+        }
+        "allow" | "prefer" => false,
+        "require" | "verify-ca" | "verify-full" => true,
+        other => {
+            return Err(format!(
+                "PGSSLMODE={other:?}: expected disable, allow, prefer, require, verify-ca or \
+                 verify-full"
+            ));
+        }
+    };
+    let mut root_cert = options.root_cert.or_else(|| from_env("PGSSLROOTCERT"));
+    if verify {
+        // libpq's default file for the certificate authorities.
+        root_cert = root_cert.or_else(|| home_file("root.crt"));
+        if root_cert.is_none() {
+            return Err(format!(
+                "sslmode {mode}: pgfence verifies the server's certificate: set PGSSLROOTCERT \
+                 or --tls-root-cert to the certificate authorities' PEM file"
+            ));
+        }
+        if env_mode.is_some() && !url_mode {
+            // The library takes `require` with its TLS configuration to mean verified TLS.
+            config.ssl_mode(SslMode::Require);
+        }
+    }
+    let Some(root_cert) = root_cert else { return Ok(TlsFiles::default()) };
+    let cert = options.cert.or_else(|| from_env("PGSSLCERT"));
+    let key = options.key.or_else(|| from_env("PGSSLKEY"));
+    let client = match (cert, key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => return Err("a client certificate needs both PGSSLCERT and PGSSLKEY".to_owned()),
+    };
+    Ok(TlsFiles { root_cert: Some(root_cert), client })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passfile_lines_split_at_unescaped_colons() {
+        assert_eq!(split_passfile_line(r"h:5432:db:u:p\:w\\d"), ["h", "5432", "db", "u", r"p:w\d"]);
+        assert_eq!(split_passfile_line("*:*:*:u:a:b"), ["*", "*", "*", "u", "a:b"]);
+    }
+}
