@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Chart the JSON output of `cargo run --release --example bench -- --json`.
+"""Chart the JSON output of `cargo run --release -p pgfence-testing --example bench -- --json`.
 
 usage: scripts/bench_chart.py OUT.png RUN.json [RUN.json ...]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables from the JSON output of `cargo run --release --example bench -- --json`.
+"""Markdown tables from the JSON output of `cargo run --release -p pgfence-testing --example bench -- --json`.
 
 usage: scripts/bench_markdown.py RUN.json [RUN.json ...]
 

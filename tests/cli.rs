@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{CERT_ROLE, TestCluster, TestServer, unique_name};
+use pgfence_testing::{CERT_ROLE, TestCluster, TestServer, unique_name};
 use serde_json::Value;
 use tokio_postgres::NoTls;
 
