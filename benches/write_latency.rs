@@ -22,7 +22,7 @@
 //!
 //! `cargo bench --bench write_latency` (add `-- fenced` etc. to pick benchmarks).
 
-#[path = "support/mod.rs"]
+#[path = "../pgfence-testing/examples/support/mod.rs"]
 mod support;
 
 use std::hint::black_box;
@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use pgfence::PgKvStore;
-use pgfence::testing::{Proxy, TestServer, unique_name};
+use pgfence_testing::{Proxy, TestServer, unique_name};
 use support::{Baseline, NS, SUB};
 use tokio::runtime::Runtime;
 

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use pgfence::testing::{TestServer, unique_name};
 use pgfence::{Error, PgKvStore};
+use pgfence_testing::{TestServer, unique_name};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

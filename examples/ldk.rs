@@ -39,8 +39,8 @@ use lightning::util::persist::{
 };
 use lightning::util::ser::{ReadableArgs, Writeable};
 use pgfence::ldk::LdkStore;
-use pgfence::testing::{TestServer, unique_name};
 use pgfence::{LeaseLossPolicy, LeaseState, PgKvStore};
+use pgfence_testing::{TestServer, unique_name};
 use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;

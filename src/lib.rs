@@ -1,8 +1,6 @@
 #![doc = include_str!("../README.md")]
-// No unsafe code, except the one `atexit` call of the `testing` feature (src/testing.rs), which
-// has no safe equivalent: without `testing` it is forbidden, with it denied but on that line.
-#![cfg_attr(not(feature = "testing"), forbid(unsafe_code))]
-#![cfg_attr(feature = "testing", deny(unsafe_code))]
+#![forbid(unsafe_code)]
+#![deny(rustdoc::broken_intra_doc_links)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
 
 mod batch;
@@ -21,8 +19,6 @@ mod store;
 pub mod blocking;
 #[cfg(feature = "ldk")]
 pub mod ldk;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 pub use batch::{Batch, MAX_BATCH_BYTES};
 pub use config::{Builder, LeaseLossPolicy};

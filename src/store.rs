@@ -1353,10 +1353,10 @@ async fn release_unanswered_setup(
 }
 
 /// Tests that need the store's internals and a database.
-#[cfg(all(test, feature = "testing"))]
+#[cfg(test)]
 mod db_tests {
     use super::*;
-    use crate::testing::{Proxy, TestServer, unique_name};
+    use pgfence_testing::{Proxy, TestServer, unique_name};
 
     /// After a loss found by an operation, the release is retried on a new connection when the
     /// renewal thread's own one went silent (a proxy holds back all its traffic; new

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use common::conformance::{BoxFut, Kv, PageOut, check_all};
 use pgfence::blocking::PgKvStore;
-use pgfence::testing::Proxy;
 use pgfence::{LeaseLossPolicy, LeaseState, PageToken};
+use pgfence_testing::Proxy;
 use sync_support::{Where, guarded, run_in};
 
 const PAGE: usize = 7;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{
+use pgfence_testing::{
     CERT_ROLE, PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD, TestCluster, TestServer, unique_name,
 };
 use serde_json::Value;

@@ -359,7 +359,7 @@ async fn standby_keeps_waiting_through_connection_errors() {
     let t = table("sbdown");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let server = common::server();
-    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let proxy = pgfence_testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     let standby = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
         .table(&t)
         .lease_ttl(TTL)
@@ -548,7 +548,7 @@ async fn force_release_racing_a_takeover_releases_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_whose_listen_connection_went_silent_still_takes_over_soon() {
     let server = common::server();
-    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let proxy = pgfence_testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     let t = table("sbsilent");
     let active = standby_builder(&t, "active").open().await.unwrap();
     let app = format!("sb-{t}");
@@ -584,7 +584,7 @@ async fn standby_whose_listen_connection_went_silent_still_takes_over_soon() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_keeps_waiting_when_the_server_ends_an_idle_setup() {
     let server = common::server();
-    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let proxy = pgfence_testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     let t = table("sbidle");
     builder(&t).open().await.unwrap().close().await.unwrap();
     // The next store to take the lease runs migration 4 again, which waits for this lock.

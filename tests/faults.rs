@@ -89,7 +89,7 @@ async fn terminated_backends_mid_workload_recover_without_loss() {
 /// A restart shorter than the local deadline: the store keeps its lease and goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_restart_shorter_than_the_deadline_keeps_the_lease() {
-    let cluster = Arc::new(pgfence::testing::TestCluster::start().expect("private cluster"));
+    let cluster = Arc::new(pgfence_testing::TestCluster::start().expect("private cluster"));
     let store = PgKvStore::builder_from_config(cluster.config())
         .table("kv")
         .pool_size(4)
@@ -224,7 +224,7 @@ async fn lock_timeout_in_the_options_bounds_a_migration() {
 /// fails closed (`WriteOutcomeUnknown`) for both calls, and the later call's value stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_ending_in_an_error_after_a_possible_commit_fail_closed() {
-    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let cluster = pgfence_testing::TestCluster::start().expect("private cluster");
     let store = PgKvStore::builder_from_config(cluster.config())
         .table("kv")
         .pool_size(4)
@@ -344,7 +344,7 @@ async fn retries_after_broken_connections_go_on_for_at_most_one_ttl() {
 /// lease and wait for it). The open releases it by owner id, so the next one opens at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_setup_commit_whose_answer_is_lost_leaves_no_lease_behind() {
-    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let cluster = pgfence_testing::TestCluster::start().expect("private cluster");
     let open = |app: &str| {
         PgKvStore::builder_from_config(cluster.config())
             .table("kv")
@@ -389,7 +389,7 @@ async fn a_setup_commit_whose_answer_is_lost_leaves_no_lease_behind() {
 /// next store opens at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_dropped_after_its_commit_was_sent_releases_the_lease() {
-    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let cluster = pgfence_testing::TestCluster::start().expect("private cluster");
     let open = |app: &str| {
         PgKvStore::builder_from_config(cluster.config())
             .table("kv")
@@ -442,7 +442,7 @@ async fn open_dropped_after_its_commit_was_sent_releases_the_lease() {
 
 /// Sets `synchronous_standby_names` and returns once the server has reloaded it: a new session
 /// sees it, so every existing one has been signalled and applies it before its next statement.
-async fn set_synchronous_standby_names(cluster: &pgfence::testing::TestCluster, names: &str) {
+async fn set_synchronous_standby_names(cluster: &pgfence_testing::TestCluster, names: &str) {
     let db = cluster.connect().await.unwrap();
     let set = format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
     db.batch_execute(&set).await.unwrap();
@@ -490,7 +490,7 @@ async fn a_server_error_keeps_its_connection_in_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_hangs_after_its_startup_fails_open_in_time() {
     let server = common::server();
-    let proxy = pgfence::testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let proxy = pgfence_testing::Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     proxy.hang_after_client_chunks(1);
     let opening = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
         .table(table("hookhang"))

@@ -1,4 +1,4 @@
-//! Checks of the test harness itself (`pgfence::testing`): the shared server, caller-owned
+//! Checks of the test harness itself (`pgfence_testing`): the shared server, caller-owned
 //! clusters, the cleanup when a test process exits or is killed, and the fault-injecting proxy.
 //!
 //! Like every test of the crate, these need a real PostgreSQL: `DATABASE_URL`, or the server
@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use pgfence::testing::{
+use pgfence_testing::{
     PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD, Proxy, TestCluster, TestServer, pg_hba_password_role,
     unique_name,
 };

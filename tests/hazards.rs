@@ -9,8 +9,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::{HANG_GUARD, admin, builder, lease_row, lease_table, table, within};
-use pgfence::testing::{Proxy, TestServer};
 use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
+use pgfence_testing::{Proxy, TestServer};
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later

@@ -11,8 +11,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use common::{HANG_GUARD, admin, builder, lease_table, table, within};
-use pgfence::testing::{Proxy, TestCluster};
 use pgfence::{Builder, PgKvStore};
+use pgfence_testing::{Proxy, TestCluster};
 
 /// A `connect_timeout` that never ends a test: longer than its hang guard, so an opening that
 /// waits for it rather than for its stop fails the test.
@@ -348,7 +348,7 @@ async fn open_creating_a_database_on_a_hung_server_gives_up_after_connect_timeou
     let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     proxy.hang_after_client_chunks(1);
     let mut config = server.config_via(proxy.addr());
-    config.dbname(pgfence::testing::unique_name("hungcreatedb"));
+    config.dbname(pgfence_testing::unique_name("hungcreatedb"));
     let connect_timeout = Duration::from_secs(2);
     let builder = PgKvStore::builder_from_config(config)
         .table(table("hungcreatedb"))
@@ -415,7 +415,7 @@ async fn open_until_stopped_leaves_nothing_running_on_the_runtime() {
     let proxy = proxy_rt.spawn(async move { Proxy::start(addr).await.unwrap() }).await.unwrap();
     proxy.hang_after_client_chunks(1);
     let mut config = server.config_via(proxy.addr());
-    config.dbname(pgfence::testing::unique_name("leftrunning"));
+    config.dbname(pgfence_testing::unique_name("leftrunning"));
     let builder =
         PgKvStore::builder_from_config(config).table(table("leftrunning")).connect_timeout(NEVER);
     let metrics = tokio::runtime::Handle::current().metrics();

@@ -6,8 +6,8 @@ use std::io::ErrorKind;
 use std::time::Duration;
 
 use common::{admin, builder, table};
-use pgfence::testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
 use pgfence::{Error, PgKvStore};
+use pgfence_testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
 
 /// Tables whose name starts with `prefix` (other tests create tables concurrently, so only a
 /// test's own names can be counted).

@@ -328,7 +328,7 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(prefix: &str) -> TempDir {
-        let path = std::env::temp_dir().join(pgfence::testing::unique_name(prefix));
+        let path = std::env::temp_dir().join(pgfence_testing::unique_name(prefix));
         std::fs::create_dir_all(&path).unwrap();
         TempDir(path)
     }

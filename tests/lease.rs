@@ -635,8 +635,8 @@ async fn cut_off_until_lost(
     ttl: u64,
     local_deadline: u64,
     renew_interval: Duration,
-) -> (pgfence::testing::Proxy, PgKvStore, LeaseState) {
-    let proxy = pgfence::testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
+) -> (pgfence_testing::Proxy, PgKvStore, LeaseState) {
+    let proxy = pgfence_testing::Proxy::start(server().tcp_addr().unwrap()).await.unwrap();
     let holder = PgKvStore::builder_from_config(server().config_via(proxy.addr()))
         .table(t)
         .application_name(t)

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use common::table;
 use pgfence::PgKvStore;
-use pgfence::testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
+use pgfence_testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
 
 /// Everything logged, from every thread (the renewal thread included).
 #[derive(Clone, Default)]

@@ -27,8 +27,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{HANG_GUARD, admin, server, table, within};
-use pgfence::testing::Proxy;
 use pgfence::{Error, LeaseState, LossReason, PgKvStore, StandbyState};
+use pgfence_testing::Proxy;
 use tokio::runtime::Runtime;
 
 const TTL: Duration = Duration::from_secs(2);

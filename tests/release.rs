@@ -260,7 +260,7 @@ fn drop_outside_any_runtime_is_bounded() {
 /// With the database gone, a drop still returns within its timeout (and never panics).
 #[test]
 fn drop_with_the_database_unreachable_is_bounded() {
-    let cluster = pgfence::testing::TestCluster::start().expect("private cluster");
+    let cluster = pgfence_testing::TestCluster::start().expect("private cluster");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let a = runtime.block_on(async {
         PgKvStore::builder_from_config(cluster.config())

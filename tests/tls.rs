@@ -7,10 +7,10 @@ mod common;
 use std::time::Duration;
 
 use common::{HANG_GUARD, table, table_exists, within};
-use pgfence::testing::{CERT_ROLE, Proxy, TestCluster, unique_name};
 use pgfence::{
     Error, LeaseState, PgKvStore, StandbyState, tls_client_config, tls_client_config_with_cert,
 };
+use pgfence_testing::{CERT_ROLE, Proxy, TestCluster, unique_name};
 
 fn tls_cluster() -> TestCluster {
     TestCluster::start_tls().expect("a private cluster with TLS")

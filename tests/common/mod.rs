@@ -6,8 +6,8 @@ pub mod errors;
 
 use std::time::Duration;
 
-use pgfence::testing::{TestServer, unique_name};
 use pgfence::{Builder, PgKvStore};
+use pgfence_testing::{TestServer, unique_name};
 
 /// The shared test server (DATABASE_URL or a private cluster). Fails the test loudly if none.
 pub fn server() -> &'static TestServer {

@@ -11,13 +11,13 @@
 //! previous one in every byte, as in the benches. The variants take turns within each round;
 //! medians are printed.
 //!
-//! `cargo run --release --example batch_shapes -- [ROUNDS]` (default 300). Uses `DATABASE_URL`
-//! when set, otherwise a temporary cluster that is stopped on exit.
+//! `cargo run --release -p pgfence-testing --example batch_shapes -- [ROUNDS]` (default 300).
+//! Uses `DATABASE_URL` when set, otherwise a temporary cluster that is stopped on exit.
 
 use std::time::{Duration, Instant};
 
 use pgfence::PgKvStore;
-use pgfence::testing::{TestServer, unique_name};
+use pgfence_testing::{TestServer, unique_name};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 

@@ -2,14 +2,14 @@
 //! two-statement design) in one run, at several numbers of concurrent writers.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--concurrency 1,4,16] [--value-size 1024]
-//!     [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
+//! cargo run --release -p pgfence-testing --example bench -- [--concurrency 1,4,16]
+//!     [--value-size 1024] [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
 //!     [--database-url URL] [--variants unfenced,fenced,solo,naive]
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
 //! ```
 //!
 //! Without `--database-url` it starts a private temporary PostgreSQL cluster (from the server
-//! binaries on the machine, see `pgfence::testing`) and stops it at the end. `--delay-us N`
+//! binaries on the machine, see `pgfence_testing`) and stops it at the end. `--delay-us N`
 //! routes every connection through a loopback TCP proxy that delays each direction by N µs
 //! (`--delay-us 370` gave a 1.14-1.26 ms round trip here); `--unix` connects to the private cluster over its
 //! Unix socket instead of TCP.
@@ -34,7 +34,7 @@
 //! With `--json`, prints one JSON object on stdout (the tables go to stderr); see
 //! `scripts/bench_chart.py` for the chart made from it.
 
-#[path = "../benches/support/mod.rs"]
+#[path = "support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;
@@ -43,7 +43,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgfence::PgKvStore;
-use pgfence::testing::{Proxy, TestCluster, unique_name};
+use pgfence_testing::{Proxy, TestCluster, unique_name};
 use support::{Baseline, BoxError, NS, SUB, percentile};
 use tokio::sync::watch;
 use tokio_postgres::config::Host;
@@ -219,7 +219,7 @@ fn target(args: &Args) -> Result<Target, BoxError> {
     };
     if args.unix {
         let cluster = cluster.as_ref().expect("--unix is refused with --database-url");
-        // pgfence::testing lays a private cluster out as `<root>/data` and `<root>/sock`.
+        // pgfence_testing lays a private cluster out as `<root>/data` and `<root>/sock`.
         let socket_dir = cluster.data_dir().parent().ok_or("cluster without a root")?.join("sock");
         let mut unix = cluster.config();
         unix.host_path(&socket_dir);
@@ -238,7 +238,7 @@ fn target(args: &Args) -> Result<Target, BoxError> {
             delay_proxy.addr(),
             args.delay_us
         );
-        config = pgfence::testing::redirect(&config, delay_proxy.addr());
+        config = pgfence_testing::redirect(&config, delay_proxy.addr());
         proxy = Some((delay_proxy, proxy_rt));
     }
     Ok(Target { config, transport, _cluster: cluster, _proxy: proxy })

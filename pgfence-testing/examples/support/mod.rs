@@ -1,13 +1,13 @@
-//! What the criterion bench (`benches/write_latency.rs`) and the side-by-side bench command
-//! (`examples/bench.rs`, which includes this file by `#[path]`) share: the baselines the fenced
-//! write is compared with, as raw SQL on the store's own table, over a pool configured like the
-//! store's.
+//! What the criterion bench (`benches/write_latency.rs` of pgfence) and the side-by-side bench
+//! command (`examples/bench.rs`) share; both include this file by `#[path]`. The baselines the
+//! fenced write is compared with, as raw SQL on the store's own table, over a pool configured
+//! like the store's.
 #![allow(dead_code)] // Each of the two users needs a different subset.
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use pgfence::PgKvStore;
+use pgfence::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
 /// A boxed error: the benches only report failures, they do not recover from them.
