@@ -9,12 +9,11 @@ mod common;
 mod sync_support;
 
 use std::collections::BTreeMap;
-use std::io::ErrorKind;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::conformance::{BoxFut, Kv, PageOut, check_all};
+use common::conformance::{BoxFut, Caps, Facade, Kv, PageOut, SUITE_LIMIT, Setup, check_contract};
 use lightning::util::persist::{
     KVStore, KVStoreSync, KVStoreSyncWrapper, MigratableKVStore, MigratableKVStoreSync, PageToken,
     PaginatedKVStore, PaginatedKVStoreSync, migrate_kv_store_data,
@@ -31,23 +30,37 @@ fn std_io(e: lightning::io::Error) -> std::io::Error {
 
 /// The suite through LDK's async traits. Every call goes through the trait method, never the
 /// inherent API.
-struct LdkAsync(Arc<LdkStore>);
+struct LdkAsync;
 
-impl Kv for LdkAsync {
+struct LdkAsyncKv(LdkStore, usize);
+
+impl Facade for LdkAsync {
+    fn open(&self, builder: pgfence::Builder, page: usize) -> BoxFut<'static, Box<dyn Kv>> {
+        Box::pin(async move {
+            Ok(Box::new(LdkAsyncKv(LdkStore::open_async(builder).await?, page)) as _)
+        })
+    }
+}
+
+impl Kv for LdkAsyncKv {
+    fn caps(&self) -> Caps {
+        // Ordered at the call, but started at once on the store's runtime: not lazy.
+        Caps { ordered_at_call: true, lazy: false, page_size: self.1 }
+    }
     fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
-        let fut = KVStore::read(&*self.0, p, s, k);
+        let fut = KVStore::read(&self.0, p, s, k);
         Box::pin(async move { fut.await.map_err(std_io) })
     }
-    fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()> {
-        let fut = KVStore::write(&*self.0, p, s, k, v);
+    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> BoxFut<'static, ()> {
+        let fut = KVStore::write(&self.0, p, s, k, v);
         Box::pin(async move { fut.await.map_err(std_io) })
     }
-    fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()> {
-        let fut = KVStore::remove(&*self.0, p, s, k, false);
+    fn remove(&self, p: &str, s: &str, k: &str) -> BoxFut<'static, ()> {
+        let fut = KVStore::remove(&self.0, p, s, k, false);
         Box::pin(async move { fut.await.map_err(std_io) })
     }
     fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
-        let fut = KVStore::list(&*self.0, p, s);
+        let fut = KVStore::list(&self.0, p, s);
         Box::pin(async move { fut.await.map_err(std_io) })
     }
     fn list_page<'a>(
@@ -56,34 +69,50 @@ impl Kv for LdkAsync {
         s: &'a str,
         token: Option<String>,
     ) -> BoxFut<'a, PageOut> {
-        let fut = PaginatedKVStore::list_paginated(&*self.0, p, s, token.map(PageToken::new));
+        let fut = PaginatedKVStore::list_paginated(&self.0, p, s, token.map(PageToken::new));
         Box::pin(async move {
             let page = fut.await.map_err(std_io)?;
             Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
         })
     }
-    fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>> {
-        let fut = MigratableKVStore::list_all_keys(&*self.0);
+    fn list_all(&self) -> BoxFut<'_, Vec<(String, String, String)>> {
+        let fut = MigratableKVStore::list_all_keys(&self.0);
         Box::pin(async move { fut.await.map_err(std_io) })
     }
-    fn page_size(&self) -> usize {
-        PAGE
+    fn fencing_token(&self) -> i64 {
+        self.0.fencing_token()
+    }
+    fn close(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move { Ok(self.0.close_async().await?) })
     }
 }
 
 /// The suite through LDK's sync traits: each call blocks inside the future, in whatever context
-/// polls it.
-struct LdkSync(LdkStore);
+/// polls it. Opened with the blocking `open`.
+struct LdkSync;
 
-impl Kv for LdkSync {
+struct LdkSyncKv(LdkStore, usize);
+
+impl Facade for LdkSync {
+    fn open(&self, builder: pgfence::Builder, page: usize) -> BoxFut<'static, Box<dyn Kv>> {
+        Box::pin(async move { Ok(Box::new(LdkSyncKv(LdkStore::open(builder)?, page)) as _) })
+    }
+}
+
+impl Kv for LdkSyncKv {
+    fn caps(&self) -> Caps {
+        Caps { ordered_at_call: false, lazy: false, page_size: self.1 }
+    }
     fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
         Box::pin(async move { KVStoreSync::read(&self.0, p, s, k).map_err(std_io) })
     }
-    fn write<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str, v: Vec<u8>) -> BoxFut<'a, ()> {
-        Box::pin(async move { KVStoreSync::write(&self.0, p, s, k, v).map_err(std_io) })
+    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> BoxFut<'static, ()> {
+        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
+        Box::pin(async move { KVStoreSync::write(&store, &p, &s, &k, v).map_err(std_io) })
     }
-    fn remove<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, ()> {
-        Box::pin(async move { KVStoreSync::remove(&self.0, p, s, k, false).map_err(std_io) })
+    fn remove(&self, p: &str, s: &str, k: &str) -> BoxFut<'static, ()> {
+        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
+        Box::pin(async move { KVStoreSync::remove(&store, &p, &s, &k, false).map_err(std_io) })
     }
     fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
         Box::pin(async move { KVStoreSync::list(&self.0, p, s).map_err(std_io) })
@@ -101,45 +130,39 @@ impl Kv for LdkSync {
             Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
         })
     }
-    fn list_all<'a>(&'a self) -> BoxFut<'a, Vec<(String, String, String)>> {
+    fn list_all(&self) -> BoxFut<'_, Vec<(String, String, String)>> {
         Box::pin(async move { MigratableKVStoreSync::list_all_keys(&self.0).map_err(std_io) })
     }
-    fn page_size(&self) -> usize {
-        PAGE
+    fn fencing_token(&self) -> i64 {
+        self.0.fencing_token()
     }
+    fn close(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move { Ok(self.0.close()?) })
+    }
+}
+
+async fn run_async(setup: Setup) {
+    let run = tokio::time::timeout(SUITE_LIMIT, check_contract(&setup));
+    run.await.unwrap_or_else(|_| panic!("the conformance suite hung for {SUITE_LIMIT:?}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_async_traits_multi_thread_runtime() {
-    let store = LdkStore::open_async(common::builder(&common::table("ldka")).page_size(PAGE))
-        .await
-        .unwrap();
-    let store = Arc::new(store);
-    common::within("conformance", check_all(&LdkAsync(Arc::clone(&store)))).await;
-    store.close_async().await.unwrap();
+    run_async(Setup::new(LdkAsync, Some(PAGE), |b| b)).await;
 }
 
+/// LDK's default page size (100) and a pool of one: pages of 100 keys.
 #[tokio::test(flavor = "current_thread")]
-async fn conformance_async_traits_current_thread_runtime() {
-    let store = LdkStore::open_async(common::builder(&common::table("ldkact")).page_size(PAGE))
-        .await
-        .unwrap();
-    let store = Arc::new(store);
-    common::within("conformance", check_all(&LdkAsync(Arc::clone(&store)))).await;
-    drop(store); // The last handle, dropped inside a current-thread runtime.
+async fn conformance_async_traits_current_thread_runtime_default_page_size() {
+    run_async(Setup::new(LdkAsync, None, |b| b.pool_size(1))).await;
 }
 
-/// Opens with the blocking `open`, runs the suite through the sync traits, drops the store, all
-/// in `place`; then checks that the lease was given back.
+/// Runs the whole suite through the sync traits in `place`: every store is opened with the
+/// blocking `open`, used, closed or dropped there.
 fn sync_conformance_in(place: Where) {
-    let table = common::table("ldks");
-    let t = table.clone();
-    run_in(place, "LDK sync conformance", move || async move {
-        let store = LdkStore::open(common::builder(&t).page_size(PAGE)).expect("open");
-        check_all(&LdkSync(store.clone())).await;
-        drop(store);
+    run_in(place, "LDK sync conformance", || async {
+        check_contract(&Setup::new(LdkSync, Some(PAGE), |b| b)).await;
     });
-    guarded("reopen", move || LdkStore::open(common::builder(&table)).unwrap().close().unwrap());
 }
 
 #[test]
@@ -200,44 +223,6 @@ fn sync_store_wrapped_for_async_ldk_code_in_a_current_thread_runtime() {
     });
 }
 
-/// Async `write`/`remove` take effect in the order they were called, whatever order their
-/// futures are awaited in (LDK's `KVStore::write` contract).
-#[tokio::test(flavor = "current_thread")]
-async fn async_writes_take_effect_in_call_order() {
-    let store = LdkStore::open_async(common::builder(&common::table("ldkorder"))).await.unwrap();
-
-    // Two writes, awaited last-called first.
-    let first = KVStore::write(&store, "ord", "", "k", b"first".to_vec());
-    let second = KVStore::write(&store, "ord", "", "k", b"second".to_vec());
-    common::within("second", second).await.unwrap();
-    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"second");
-    common::within("first", first).await.unwrap();
-    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"second");
-
-    // Many calls to one key, awaited in reverse: the last call wins.
-    let futures: Vec<_> =
-        (0..30u8).map(|i| KVStore::write(&store, "ord", "", "many", vec![i])).collect();
-    for fut in futures.into_iter().rev() {
-        common::within("write", fut).await.unwrap();
-    }
-    assert_eq!(KVStore::read(&store, "ord", "", "many").await.unwrap(), vec![29]);
-
-    // A remove called before a write does not undo it; one called after it does.
-    let remove = KVStore::remove(&store, "ord", "", "k", true);
-    let write = KVStore::write(&store, "ord", "", "k", b"third".to_vec());
-    common::within("write", write).await.unwrap();
-    common::within("remove", remove).await.unwrap();
-    assert_eq!(KVStore::read(&store, "ord", "", "k").await.unwrap(), b"third");
-    let write = KVStore::write(&store, "ord", "", "k", b"fourth".to_vec());
-    let remove = KVStore::remove(&store, "ord", "", "k", false);
-    common::within("remove", remove).await.unwrap();
-    common::within("write", write).await.unwrap();
-    let e = KVStore::read(&store, "ord", "", "k").await.unwrap_err();
-    assert_eq!(e.kind(), lightning::io::ErrorKind::NotFound);
-
-    store.close_async().await.unwrap();
-}
-
 /// A write whose future is dropped unpolled still runs, and keeps the store's runtime alive
 /// after the last handle is gone; dropping everything inside a runtime never panics.
 #[tokio::test(flavor = "current_thread")]
@@ -261,66 +246,6 @@ async fn dropped_async_write_still_lands() {
     .await;
     assert_eq!(KVStore::read(&next, "det", "", "k").await.unwrap(), b"detached");
     next.close_async().await.unwrap();
-}
-
-#[test]
-fn error_kinds_through_the_ldk_traits() {
-    guarded("error kinds", || {
-        let table = common::table("ldkerr");
-        let store = LdkStore::open(common::builder(&table)).unwrap();
-
-        let e = KVStoreSync::read(&store, "p", "", "missing").unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::NotFound);
-        let e = KVStoreSync::write(&store, "p", "", "no/slash", vec![]).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::InvalidInput);
-        let e = KVStoreSync::write(&store, "p", "", &"k".repeat(121), vec![]).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::InvalidInput);
-        // Removing a missing key is Ok; listing an unknown namespace is empty.
-        KVStoreSync::remove(&store, "p", "", "missing", false).unwrap();
-        assert!(KVStoreSync::list(&store, "unknown", "ns").unwrap().is_empty());
-        let page = PaginatedKVStoreSync::list_paginated(&store, "unknown", "ns", None).unwrap();
-        assert!(page.keys.is_empty() && page.next_page_token.is_none());
-        // Pages of the default page size, 100: 101 keys are a full page and a page of one.
-        for i in 0..101 {
-            KVStoreSync::write(&store, "pages", "", &format!("k{i:03}"), vec![]).unwrap();
-        }
-        let first = PaginatedKVStoreSync::list_paginated(&store, "pages", "", None).unwrap();
-        assert_eq!(first.keys.len(), 100);
-        let token = first.next_page_token;
-        let rest = PaginatedKVStoreSync::list_paginated(&store, "pages", "", token).unwrap();
-        assert!(rest.keys.len() == 1 && rest.next_page_token.is_none(), "{:?}", rest.keys);
-
-        // A second store on the same table: lease held, AlreadyExists.
-        let e = LdkStore::open(common::builder(&table)).unwrap_err();
-        assert_eq!(std::io::Error::from(e).kind(), ErrorKind::AlreadyExists);
-
-        // Lease lost: PermissionDenied, sync and async alike, with the pgfence error inside.
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        runtime.block_on(async {
-            let admin = common::admin().await;
-            common::steal_lease(&admin, &table).await;
-        });
-        let e = KVStoreSync::write(&store, "p", "", "k", vec![1]).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
-        let inner = e.get_ref().and_then(|e| e.downcast_ref::<pgfence::Error>());
-        assert!(inner.is_some_and(pgfence::Error::is_lease_lost), "{e:?}");
-        let e = runtime.block_on(KVStore::write(&store, "p", "", "k", vec![2])).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
-        let e = KVStoreSync::read(&store, "p", "", "k").unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::PermissionDenied);
-
-        // Closed: NotConnected, sync and async alike.
-        let closed = LdkStore::open(common::builder(&common::table("ldkclosed"))).unwrap();
-        closed.close().unwrap();
-        let e = KVStoreSync::write(&closed, "p", "", "k", vec![1]).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
-        let e = runtime.block_on(KVStore::write(&closed, "p", "", "k", vec![2])).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
-        let e = runtime.block_on(KVStore::read(&closed, "p", "", "k")).unwrap_err();
-        assert_eq!(e.kind(), lightning::io::ErrorKind::NotConnected);
-        drop(runtime);
-        drop(store);
-    });
 }
 
 /// Removes a directory tree when dropped, also when the test panics.
