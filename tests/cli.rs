@@ -554,13 +554,13 @@ fn tls_options_connect_over_verified_tls() {
     let read = run(&url, &table, &["get", "--tls-root-cert", ca, "ns", "sub", "k"], None);
     assert_eq!(read.expect(0, "get over TLS").stdout(), "v");
     let plain = run(&url, &table, &["get", "ns", "sub", "k"], None);
-    // The server names the connection's missing encryption "no encryption" since PostgreSQL 15,
+    // The server names the connection's missing encryption "no encryption" since PostgreSQL 14,
     // "SSL off" before.
     let version = tokio::runtime::Runtime::new().expect("runtime").block_on(async {
         let client = cluster.connect().await.expect("connect over TLS");
         client.query_one("SHOW server_version_num", &[]).await.expect("version").get::<_, String>(0)
     });
-    let unencrypted = if version.parse::<i32>().expect("a number") >= 15_00_00 {
+    let unencrypted = if version.parse::<i32>().expect("a number") >= 14_00_00 {
         "no encryption"
     } else {
         "SSL off"
