@@ -403,9 +403,10 @@ async fn batch_statements_are_planned_once_per_connection() {
     }
 
     let client = pool.get().await.unwrap();
-    let plans: Vec<(String, i64, i64)> = client
+    // The statements, by the name the driver prepared them under on this connection.
+    let statements: Vec<(String, String, i32)> = client
         .query(
-            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
+            "SELECT name, statement, cardinality(parameter_types) FROM pg_prepared_statements \
               WHERE statement LIKE '%unnest%' AND strpos(statement, $1) > 0",
             &[&table],
         )
@@ -414,21 +415,61 @@ async fn batch_statements_are_planned_once_per_connection() {
         .iter()
         .map(|row| (row.get(0), row.get(1), row.get(2)))
         .collect();
-    let counts = |with_removes: bool| {
-        let found: Vec<_> = plans
+    let statement = |with_removes: bool| {
+        let found: Vec<_> = statements
             .iter()
-            .filter(|(sql, _, _)| sql.contains("DELETE") == with_removes)
-            .map(|(_, generic, custom)| (*generic, *custom))
+            .filter(|(_, sql, _)| sql.contains("DELETE") == with_removes)
             .collect();
-        assert_eq!(found.len(), 1, "one batch statement with removes={with_removes}: {plans:?}");
-        found[0]
+        assert_eq!(
+            found.len(),
+            1,
+            "one batch statement with removes={with_removes}: {statements:?}"
+        );
+        found[0].clone()
     };
-    // Puts only: one statement, run ROUNDS times.
-    let (generic, custom) = counts(false);
-    assert_eq!((generic + custom, custom), (ROUNDS, 5), "puts-only batches");
-    // With removes: one statement, run twice per round.
-    let (generic, custom) = counts(true);
-    assert_eq!((generic + custom, custom), (2 * ROUNDS, 5), "batches with removes");
+    let (puts, with_removes) = (statement(false), statement(true));
+
+    // PostgreSQL 14 counts each statement's plans (`generic_plans`, `custom_plans`): five
+    // custom plans, then the one generic plan for every later execution.
+    if common::server_version_num(&client).await >= 14_00_00 {
+        let plans = |name: &str| {
+            let client = &client;
+            let name = name.to_owned();
+            async move {
+                let row = client
+                    .query_one(
+                        "SELECT generic_plans, custom_plans FROM pg_prepared_statements \
+                          WHERE name = $1",
+                        &[&name],
+                    )
+                    .await
+                    .unwrap();
+                (row.get::<_, i64>(0), row.get::<_, i64>(1))
+            }
+        };
+        // Puts only: one statement, run ROUNDS times.
+        let (generic, custom) = plans(&puts.0).await;
+        assert_eq!((generic + custom, custom), (ROUNDS, 5), "puts-only batches");
+        // With removes: one statement, run twice per round.
+        let (generic, custom) = plans(&with_removes.0).await;
+        assert_eq!((generic + custom, custom), (2 * ROUNDS, 5), "batches with removes");
+    }
+
+    // On every version (13 has no counters): the statement now runs its generic plan, which
+    // leaves the parameters unresolved (`$1`); a custom plan shows their values instead.
+    // `EXPLAIN EXECUTE` of the driver's statement, on its connection, plans the next execution
+    // as the statement would and runs nothing.
+    for (name, sql, parameters) in [&puts, &with_removes] {
+        let mut arguments = vec!["'00000000-0000-0000-0000-000000000000'"];
+        arguments.resize(*parameters as usize, "'{}'");
+        let explain = format!("EXPLAIN EXECUTE {name}({})", arguments.join(", "));
+        let plan: Vec<String> =
+            client.query(&explain, &[]).await.unwrap().iter().map(|row| row.get(0)).collect();
+        assert!(
+            plan.iter().any(|line| line.contains("owner_id = $1")),
+            "the generic plan of {sql}: {plan:#?}"
+        );
+    }
     drop(client);
     store.close().await.unwrap();
 }

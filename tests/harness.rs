@@ -49,6 +49,22 @@ async fn shared_server_answers_select_1() {
     }
 }
 
+/// The shared server is one that pgfence supports: PostgreSQL 13 or later. It prints
+/// `server version: <SELECT version()>`, which `scripts/pg-matrix` reads (with `--nocapture`) to
+/// check that the harness started the binaries it put first on `PATH`.
+#[tokio::test]
+async fn server_is_a_supported_version() {
+    let client = shared().connect().await.expect("connect to the shared server");
+    let row = client
+        .query_one("SELECT version(), current_setting('server_version_num')::int4", &[])
+        .await
+        .expect("SELECT version()");
+    let (version, number): (String, i32) = (row.get(0), row.get(1));
+    println!("server version: {version}");
+    assert!(version.starts_with("PostgreSQL "), "version(): {version}");
+    assert!(number >= 13_00_00, "server_version_num {number} ({version}): 13 or later is needed");
+}
+
 #[test]
 fn concurrent_shared_calls_get_the_same_server() {
     const THREADS: usize = 8;

@@ -135,27 +135,44 @@ async fn renewal_follows_a_ttl_set_alone() {
 /// B`): a new table lists keys in byte order, and a table of schema version 3, whose key
 /// columns and indexes still use that default, is migrated when a store next takes the lease,
 /// its rows intact.
+///
+/// A database's default collation can be ICU's since PostgreSQL 15 (`LOCALE_PROVIDER`); before,
+/// it is a C library locale, and a test machine may have none but `C`. There the database keeps
+/// the `C` default, and the version 3 table's key columns are given ICU's en-US collation
+/// explicitly (`"en-US-x-icu"`, made by `initdb`): the migration is the same `ALTER`, from
+/// whichever collation the columns had.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
     let db = table("icu_db");
-    admin()
+    let superuser = admin().await;
+    let icu_default = common::server_version_num(&superuser).await >= 15_00_00;
+    let (create, linguistic_collation) = if icu_default {
+        ("LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C'", "default")
+    } else {
+        ("LOCALE 'C'", "en-US-x-icu")
+    };
+    superuser
+        .batch_execute(&format!("CREATE DATABASE {db} TEMPLATE template0 {create}"))
         .await
-        .batch_execute(&format!(
-            "CREATE DATABASE {db} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' \
-             LOCALE 'C'"
-        ))
-        .await
-        .expect("create a database whose default collation is ICU's en-US");
+        .expect("create the database");
+    drop(superuser);
     let mut config = server().config();
     config.dbname(&db);
     let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
     let linguistic: bool = client
-        .query_one("SELECT '_x' < '-y' AND '-y' < 'a' AND 'a' < 'B'", &[])
+        .query_one(
+            &format!(
+                "SELECT '_x' < '-y' COLLATE \"{linguistic_collation}\" \
+                    AND '-y' < 'a' COLLATE \"{linguistic_collation}\" \
+                    AND 'a' < 'B' COLLATE \"{linguistic_collation}\""
+            ),
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
-    assert!(linguistic, "the database's default collation is linguistic");
+    assert!(linguistic, "collation \"{linguistic_collation}\" is linguistic");
 
     let t = table("collation");
     let open = || {
@@ -186,13 +203,14 @@ async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
     let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
     assert_eq!(collations, ["C"; 5], "both indexes' text columns");
 
-    // Back to version 3: the key columns, and so both indexes, in the database's collation.
+    // Back to version 3: the key columns, and so both indexes, in the database's collation
+    // (or, before PostgreSQL 15, in ICU's en-US).
     client
         .batch_execute(&format!(
             "ALTER TABLE \"{t}\"
-                 ALTER COLUMN primary_namespace   TYPE TEXT COLLATE \"default\",
-                 ALTER COLUMN secondary_namespace TYPE TEXT COLLATE \"default\",
-                 ALTER COLUMN key                 TYPE TEXT COLLATE \"default\";
+                 ALTER COLUMN primary_namespace   TYPE TEXT COLLATE \"{linguistic_collation}\",
+                 ALTER COLUMN secondary_namespace TYPE TEXT COLLATE \"{linguistic_collation}\",
+                 ALTER COLUMN key                 TYPE TEXT COLLATE \"{linguistic_collation}\";
              DELETE FROM \"{t}_schema_version\" WHERE version = 4"
         ))
         .await
@@ -202,7 +220,7 @@ async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
         client.query_one(&ordered_by_index, &[]).await.unwrap().get(0);
     assert_eq!(linguistic_order, ["_x", "-y", "1-1", "11", "a", "A", "B"], "version 3");
     let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
-    assert_eq!(collations, ["default"; 5], "version 3");
+    assert_eq!(collations, [linguistic_collation; 5], "version 3");
 
     // An inspector that spans the migration keeps working (its statements are not cached).
     let inspector = PgKvStore::builder_from_config(config.clone())

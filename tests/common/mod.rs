@@ -35,6 +35,16 @@ pub async fn open(table: &str) -> PgKvStore {
     builder(table).open().await.expect("open store")
 }
 
+/// The server's version as a number (`server_version_num`: 130023 for 13.23, 180004 for 18.4),
+/// for the checks whose SQL or expected messages differ between PostgreSQL versions.
+pub async fn server_version_num(client: &tokio_postgres::Client) -> i32 {
+    client
+        .query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await
+        .expect("server_version_num")
+        .get(0)
+}
+
 /// An administrator connection for probing and tampering with the tables directly.
 pub async fn admin() -> tokio_postgres::Client {
     server().connect().await.expect("admin connection")
@@ -342,12 +352,15 @@ pub async fn own_database(prefix: &str) -> (tokio_postgres::Config, tokio_postgr
 }
 
 /// Revokes EXECUTE on `pg_terminate_backend` from PUBLIC in the database of `superuser` (as a
-/// hardened database may): its roles that are not superusers can no longer end sessions.
+/// hardened database may): its roles that are not superusers can no longer end sessions. The
+/// function is `(integer, bigint)` (pid, timeout) since PostgreSQL 14 and `(integer)` before.
 pub async fn revoke_terminate(superuser: &tokio_postgres::Client) {
+    let signature =
+        if server_version_num(superuser).await >= 14_00_00 { "integer, bigint" } else { "integer" };
     superuser
-        .batch_execute(
-            "REVOKE EXECUTE ON FUNCTION pg_terminate_backend(integer, bigint) FROM PUBLIC",
-        )
+        .batch_execute(&format!(
+            "REVOKE EXECUTE ON FUNCTION pg_terminate_backend({signature}) FROM PUBLIC"
+        ))
         .await
         .unwrap();
 }
