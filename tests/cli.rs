@@ -607,7 +607,7 @@ fn tls_options_connect_over_verified_tls() {
     let no_roots = run(&url, &table, &["status", "--tls-root-cert", empty], None);
     assert!(no_roots.expect(2, "no certificate").stderr.contains("no certificate"), "{no_roots:?}");
 
-    // The certificate role, in a database of its own that the first put creates.
+    // The certificate role, in a database of its own that the first put creates when asked.
     let cert_url =
         format!("postgres://{CERT_ROLE}@127.0.0.1:{}/{}", cluster.port(), unique_name("cli_cert"));
     let (cert, key) = (dir.join("client.pem"), dir.join("client.key"));
@@ -619,7 +619,7 @@ fn tls_options_connect_over_verified_tls() {
         let args = [&["--tls-root-cert", ca, "--tls-cert", cert, "--tls-key", key], args].concat();
         run(&cert_url, &table, &args, None)
     };
-    with_cert(&["put", "ns", "sub", "k", "by certificate"])
+    with_cert(&["put", "--create-database", "ns", "sub", "k", "by certificate"])
         .expect(0, "put with a client certificate");
     let read = with_cert(&["get", "ns", "sub", "k"]);
     assert_eq!(read.expect(0, "get with a client certificate").stdout(), "by certificate");
