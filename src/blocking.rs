@@ -85,7 +85,7 @@ impl PgKvStore {
     /// on its runtime, but connections your code created on your runtime would stall (a
     /// current-thread runtime: deadlock) while a blocking call holds that runtime's thread.
     pub fn open(builder: Builder) -> Result<PgKvStore> {
-        PgKvStore::open_with(builder.open())
+        PgKvStore::open_with(crate::store::open::open(builder))
     }
 
     /// Waits as a standby until the lease can be taken, then opens the store (see
@@ -303,14 +303,6 @@ struct Unpark(thread::Thread);
 impl Wake for Unpark {
     fn wake(self: Arc<Self>) {
         self.0.unpark();
-    }
-}
-
-impl Builder {
-    /// Opens a [`blocking::PgKvStore`](PgKvStore): the same as [`PgKvStore::open`] with this
-    /// builder.
-    pub fn open_blocking(self) -> Result<PgKvStore> {
-        PgKvStore::open(self)
     }
 }
 

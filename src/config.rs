@@ -3,12 +3,12 @@
 use std::fmt;
 use std::time::Duration;
 
+use deadpool_postgres::{Pool, Runtime};
 use tokio_postgres::config::{Host, SslMode};
 
-use crate::batch::MAX_BATCH_BYTES;
-use crate::connect::Tls;
+use crate::connect::{self, Tls};
 use crate::error::{Error, Result};
-use crate::keys::TableName;
+use crate::keys::{MAX_BATCH_BYTES, TableName};
 
 /// What a store does, besides failing closed, when it finds its lease lost.
 ///
@@ -297,6 +297,27 @@ impl Builder {
     }
 
     /// Checks every option; returns the parsed table name.
+    /// The pool the store's operations use: built from the configuration (fast recycling:
+    /// a broken connection is noticed on use and retried), or the one supplied.
+    pub(crate) fn pool(&self) -> Result<Pool> {
+        let config = match &self.source {
+            Source::Config(_) => self.connection_config().expect("a config source"),
+            Source::Pool(pool) => return Ok(pool.clone()),
+            Source::Invalid(reason) => {
+                return Err(Error::config("connection string", reason.clone()));
+            }
+        };
+        let manager = self.tls.manager(config);
+        Pool::builder(manager)
+            .post_create(connect::read_committed(self.connect_timeout))
+            .max_size(self.pool_size)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(self.connect_timeout))
+            .recycle_timeout(Some(self.connect_timeout))
+            .build()
+            .map_err(|e| Error::config("pool", e.to_string()))
+    }
+
     pub(crate) fn validate(&self) -> Result<TableName> {
         if let Source::Invalid(reason) = &self.source {
             return Err(Error::config("connection string", reason.clone()));

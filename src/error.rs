@@ -6,6 +6,12 @@ use std::time::Duration;
 /// A `Result` with [`Error`] as its error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The error of the pool's read-committed hook (`connect::read_committed`) when the server did
+/// not answer in time (retryable). Here, not in `connect`, because [`Error::is_retryable`]
+/// recognises it.
+pub(crate) const HOOK_TIMED_OUT: &str =
+    "no answer to setting read committed within connect_timeout";
+
 /// Everything that can go wrong in `pgfence`.
 ///
 /// Match on the variant to react: [`Error::LeaseHeld`] at open means another live store owns
@@ -242,7 +248,7 @@ impl Error {
                 ) => is_connection_error(e),
                 deadpool_postgres::PoolError::PostCreateHook(
                     deadpool_postgres::HookError::Message(message),
-                ) => message == crate::connect::HOOK_TIMED_OUT,
+                ) => message == HOOK_TIMED_OUT,
                 _ => false,
             },
             Error::Timeout { .. } => true,

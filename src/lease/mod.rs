@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
+use crate::clock::clock;
 use crate::config::LeaseLossPolicy;
 use crate::connect::Tls;
 use crate::error::{Error, LossReason, Result};
@@ -394,24 +395,6 @@ mod tests {
         assert!(late < Duration::from_secs(3), "published {late:?} after the deadline");
         assert!(keeper.shutdown().await.is_err(), "nothing to release to");
         assert_eq!(published(&lease), lost);
-    }
-}
-
-/// The clock of the local deadline: time since boot, counting time the machine spent suspended
-/// (Linux `CLOCK_BOOTTIME`). std's monotonic clock stops during a suspend, so a resumed laptop
-/// or VM would trust a lease that expired long ago; the wall clock counts the suspend but can
-/// be stepped (NTP), which would fail a healthy lease or extend a lost one. Elsewhere than
-/// Linux, the monotonic clock.
-pub(crate) fn clock() -> Duration {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
-        Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    {
-        static BASE: OnceLock<std::time::Instant> = OnceLock::new();
-        BASE.get_or_init(std::time::Instant::now).elapsed()
     }
 }
 

@@ -4,20 +4,14 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio_postgres::types::ToSql;
 use tracing::Instrument;
 
-use crate::error::{Error, KeyPath, Result};
-use crate::keys::check_key;
-use crate::ordering::Ticket;
-use crate::store::{Inner, Mutation, PgKvStore, admitted};
-
-/// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values, and
-/// 16 bytes more for each operation (the lengths that go with them on the wire): 512 MiB. A batch is one statement,
-/// and PostgreSQL refuses a protocol message (and an array of values) of 1 GiB or more by
-/// closing the connection; this keeps every batch well below that, with a typed error
-/// ([`Error::BatchTooLarge`]) before any SQL instead.
-pub const MAX_BATCH_BYTES: usize = 512 << 20;
+use super::Writes;
+use super::ordering::Ticket;
+use super::statement::{Mutation, apply_fenced};
+use crate::error::{Error, Result};
+use crate::exec::{Executor, admitted};
+use crate::keys::{MAX_BATCH_BYTES, check_key};
 
 /// What each operation of a batch adds to its size besides its keys, namespaces and value: the
 /// statement sends them as array elements, each with a 4-byte length. Without it, a batch of
@@ -25,7 +19,7 @@ pub const MAX_BATCH_BYTES: usize = 512 << 20;
 /// [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB message limit.
 const BATCH_BYTES_PER_OPERATION: usize = 16;
 
-/// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
+/// An atomic group of puts and removes, built with [`PgKvStore::batch`](crate::PgKvStore::batch) and applied with
 /// [`Batch::commit`].
 ///
 /// # Guarantees
@@ -37,7 +31,7 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 ///   size against [`MAX_BATCH_BYTES`] at `commit`; if any is invalid, `commit` returns that
 ///   (first) error and runs no SQL: nothing is written.
 /// - **Per-key order with single operations.** `commit()` takes every key's place in the
-///   per-key order when it is *called*, like [`PgKvStore::write`]. An operation of the batch
+///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). An operation of the batch
 ///   whose key was already changed by a *later* call (a `write`, `remove` or another batch
 ///   called after this `commit`) is dropped, since the later value must win; the rest of the
 ///   batch is still applied atomically. Nothing of a batch ever overwrites a later call.
@@ -52,7 +46,8 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 #[derive(Debug)]
 #[must_use = "a batch does nothing until `commit()` is called and awaited"]
 pub struct Batch {
-    inner: Arc<Inner>,
+    exec: Arc<Executor>,
+    writes: Arc<Writes>,
     /// The last operation of each key; the map's order is the order key turns are taken in.
     ops: BTreeMap<(String, String, String), Mutation>,
     /// The first validation error, reported by `commit` before any SQL runs.
@@ -65,14 +60,12 @@ struct Entry {
     op: Mutation,
 }
 
-impl PgKvStore {
-    /// Starts an empty atomic batch of puts and removes; see [`Batch`].
-    pub fn batch(&self) -> Batch {
-        Batch { inner: Arc::clone(&self.inner), ops: BTreeMap::new(), invalid: None }
-    }
-}
-
 impl Batch {
+    /// An empty batch of a store (see [`crate::PgKvStore::batch`]).
+    pub(crate) fn new(exec: Arc<Executor>, writes: Arc<Writes>) -> Batch {
+        Batch { exec, writes, ops: BTreeMap::new(), invalid: None }
+    }
+
     /// Adds a write of `value` to the key (creating or replacing it). Replaces any earlier
     /// operation of the same key in this batch.
     pub fn put(
@@ -83,7 +76,7 @@ impl Batch {
         value: Vec<u8>,
     ) -> Self {
         let checked = check_key(primary_namespace, secondary_namespace, key)
-            .and_then(|()| self.inner.check_value(&value));
+            .and_then(|()| self.writes.check_value(&value));
         self.add(checked, primary_namespace, secondary_namespace, key, Mutation::Write(value));
         self
     }
@@ -129,13 +122,13 @@ impl Batch {
     /// means every operation that was not superseded by a later call committed, in one
     /// transaction, under this store's lease.
     pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
-        let Batch { inner, ops, invalid } = self;
+        let Batch { exec, writes, ops, invalid } = self;
         let span = tracing::debug_span!(
             "pgfence",
             operation = "batch",
-            table = %inner.table.display(),
+            table = %exec.table.display(),
             ops = ops.len(),
-            epoch = inner.lease.epoch,
+            epoch = exec.lease.epoch,
         );
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
         // the moment `commit` was called, whatever happens to the future afterwards.
@@ -144,16 +137,16 @@ impl Batch {
             None => Ok(ops
                 .into_iter()
                 .map(|((primary, secondary, key), op)| Entry {
-                    ticket: inner.ticket(&primary, &secondary, &key),
+                    ticket: writes.ticket(&primary, &secondary, &key),
                     op,
                 })
                 .collect()),
         };
         async move {
             let entries = entries?;
-            let store = Arc::clone(&inner);
+            let store = Arc::clone(&exec);
             let work = async move { apply(&store, entries).await };
-            admitted(&inner, work.instrument(span)).await
+            admitted(&exec, work.instrument(span)).await
         }
     }
 }
@@ -179,7 +172,7 @@ fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize)
 }
 
 /// Takes the key turns, then runs the one fenced statement.
-async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
+async fn apply(exec: &Executor, entries: Vec<Entry>) -> Result<()> {
     // Turns are taken one key at a time in the map's sorted key order and held together until
     // the statement has finished. Single-key operations hold one turn at a time and every
     // batch takes its turns in the same global order, so no two waiters can wait on each
@@ -196,57 +189,13 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
     }
     if turns.is_empty() {
         // Nothing to write, but an operation of a fenced store still fails.
-        return inner.lease.check();
+        return exec.lease.check();
     }
-    apply_fenced(inner, ops).await?;
+    apply_fenced(exec, ops).await?;
     for turn in turns {
         turn.applied();
     }
     Ok(())
-}
-
-/// Runs the one fenced batch statement for `ops` (each key at most once), while the caller
-/// holds every key's turn. `Ok` means all of them committed.
-pub(crate) async fn apply_fenced<'a>(
-    inner: &Inner,
-    ops: impl IntoIterator<Item = (&'a KeyPath, &'a Mutation)>,
-) -> Result<()> {
-    let mut puts = Columns::default();
-    let mut removes = Columns::default();
-    let mut values: Vec<&[u8]> = Vec::new();
-    for (path, op) in ops {
-        match op {
-            Mutation::Write(value) => {
-                puts.push(path);
-                values.push(value);
-            }
-            Mutation::Remove => removes.push(path),
-        }
-    }
-    let owner = inner.lease.owner_id;
-    let statements = &inner.statements;
-    let puts = [&owner as &(dyn ToSql + Sync), &puts.primary, &puts.secondary, &puts.key, &values];
-    if removes.key.is_empty() {
-        return inner.fenced("batch", &statements.batch_put, &puts).await;
-    }
-    let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
-    inner.fenced("batch", &statements.batch, &[&puts[..], &removes[..]].concat()).await
-}
-
-/// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
-#[derive(Default)]
-struct Columns<'a> {
-    primary: Vec<&'a str>,
-    secondary: Vec<&'a str>,
-    key: Vec<&'a str>,
-}
-
-impl<'a> Columns<'a> {
-    fn push(&mut self, path: &'a KeyPath) {
-        self.primary.push(&path.primary_namespace);
-        self.secondary.push(&path.secondary_namespace);
-        self.key.push(&path.key);
-    }
 }
 
 #[cfg(test)]
