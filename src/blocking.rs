@@ -228,9 +228,9 @@ impl PgKvStore {
 
     /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
     /// returns the lease state then: [`LeaseState::Lost`], [`LeaseState::Released`] or
-    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a watchdog thread, take a
-    /// [`PgKvStore::lease_watch`] instead: a store handle kept by the watchdog would keep the
-    /// lease alive after the application dropped its own.
+    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a
+    /// watchdog thread, take a [`PgKvStore::lease_watch`] instead: a store handle kept by the
+    /// watchdog would keep the lease alive after the application dropped its own.
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
         self.lease_watch().wait_while_held(timeout)
     }

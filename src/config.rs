@@ -164,11 +164,12 @@ impl Builder {
     /// A `write` or `remove` that arrives while that many run waits, and the next statement
     /// to start applies the oldest waiting mutations (up to 1,000 of them and 16 MiB of values;
     /// of different keys: each key's order is kept) in one fenced statement, like a
-    /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent writers this keeps throughput at the level of
-    /// unfenced writes; below this many writers nothing waits. Each call still gets its own
-    /// result: if a shared statement fails, each of its mutations runs again alone. Batches
-    /// from [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let
-    /// every mutation have a statement of its own while a connection is free.
+    /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent
+    /// writers this keeps throughput at the level of unfenced writes; below this many writers
+    /// nothing waits. Each call still gets its own result: if a shared statement fails, each of its
+    /// mutations runs again alone. Batches from [`crate::PgKvStore::batch`] are not counted. Set it
+    /// to the pool size to let every mutation have a statement of its own while a connection is
+    /// free.
     pub fn write_concurrency(mut self, statements: usize) -> Self {
         self.write_concurrency = statements;
         self

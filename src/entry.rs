@@ -7,7 +7,7 @@ use std::future::Future;
 
 use crate::blocking;
 use crate::config::Builder;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::inspect::Inspector;
 use crate::standby::Standby;
 use crate::store::{self, PgKvStore};

@@ -184,7 +184,8 @@ impl fmt::Display for LossReason {
                 "renewal not confirmed before the local deadline (fail closed before DB expiry)"
             }
             LossReason::WriteOutcomeUnknown => {
-                "a write's outcome could not be resolved (its connection broke, its retries ended in an error, or its task was dropped)"
+                "a write's outcome could not be resolved (its connection broke, its retries ended \
+                    in an error, or its task was dropped)"
             }
         })
     }

@@ -185,7 +185,7 @@ impl Executor {
         loop {
             self.lease.check()?;
             let mut sent_to: Option<Backend> = None;
-            let mut pending: Option<OutcomePending> = None;
+            let mut pending: Option<OutcomePending<'_>> = None;
             let attempt = async {
                 let client = self.pool.get().await.map_err(|e| self.pool_error(operation, e))?;
                 let client = Checkout(Some(client));
@@ -244,7 +244,8 @@ impl Executor {
             gone?;
             match result {
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
-                    tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh connection");
+                    tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh \
+                        connection");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }

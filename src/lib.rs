@@ -4,6 +4,7 @@
 #![cfg_attr(not(feature = "testing"), forbid(unsafe_code))]
 #![cfg_attr(feature = "testing", deny(unsafe_code))]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
+#![deny(rust_2018_idioms, rustdoc::broken_intra_doc_links)]
 
 // Modules from the bottom of the dependency graph up: each uses only modules of the groups
 // before its own. A `write` travels down: `store` (the public method), `write` (per-key order,

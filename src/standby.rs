@@ -51,9 +51,9 @@ pub enum StandbyState {
 /// the database clock, and is woken early by any notification. If the LISTEN connection fails it
 /// polls at least every second and reconnects; after every 5 s without a notification it checks
 /// that the connection still answers, and replaces one that does not (silently dropped by a NAT
-/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it by dropping the `open()` future (an
-/// attempt in progress is then cancelled in the background), or with
-/// [`Standby::open_until`], which returns once nothing of it is left running.
+/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it
+/// by dropping the `open()` future (an attempt in progress is then cancelled in the background), or
+/// with [`Standby::open_until`], which returns once nothing of it is left running.
 #[derive(Debug)]
 pub struct Standby {
     builder: Builder,

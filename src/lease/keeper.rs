@@ -104,10 +104,10 @@ impl Keeper {
     }
 
     /// Stops renewal and releases the lease; returns the release's result. If the thread ended
-    /// without answering (under [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic), its panic after a loss that renewal
-    /// found, whether before this request or while the request waited for a release attempt
-    /// to end), nothing released the lease on this request, and no attempt is retried any
-    /// more: returns [`Error::LeaseLost`] (see [`Keeper::ended`]).
+    /// without answering (under [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic), its
+    /// panic after a loss that renewal found, whether before this request or while the request
+    /// waited for a release attempt to end), nothing released the lease on this request, and no
+    /// attempt is retried any more: returns [`Error::LeaseLost`] (see [`Keeper::ended`]).
     pub(crate) async fn shutdown(mut self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let reply: Reply = Box::new(move |result| {
@@ -158,10 +158,10 @@ impl Keeper {
 
     /// What to report when the thread ended without answering a request to stop: only a
     /// panic ends it so (`run` returns only after answering, and the channel stays open while
-    /// `self` lives), and only [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic) panics there, after a loss:
-    /// [`Error::LeaseLost`]. Any other panic would be a bug of this crate: the lease was not
-    /// released and is no longer renewed (it expires by TTL), published as `Abandoned` if it
-    /// was still `Held`, and reported as [`Error::Runtime`].
+    /// `self` lives), and only [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic) panics
+    /// there, after a loss: [`Error::LeaseLost`]. Any other panic would be a bug of this crate: the
+    /// lease was not released and is no longer renewed (it expires by TTL), published as
+    /// `Abandoned` if it was still `Held`, and reported as [`Error::Runtime`].
     fn ended(&self) -> Error {
         let lease = &self.lease;
         // Atomic with the check for a loss: a loss found meanwhile is reported as that loss.
@@ -248,7 +248,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
             if released || now >= expiry_bound {
                 if !released {
                     tracing::error!(table = %lease.table, epoch = lease.epoch,
-                        "pgfence lease release kept failing until the lease's database expiry; stopped trying");
+                        "pgfence lease release kept failing until the lease's database expiry; \
+                            stopped trying");
                 }
                 break stop.recv().await;
             }
@@ -269,7 +270,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
             released = result.is_ok();
             if let Err(error) = result {
                 tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
-                    "pgfence lease release failed; retrying about every second until the lease's database expiry");
+                    "pgfence lease release failed; retrying about every second until the lease's \
+                        database expiry");
             }
             continue;
         }
@@ -294,13 +296,17 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                     biased;
                     reply = stop.recv() => break reply,
                     () = lease.deadline_passed() => None,
-                    outcome = tokio::time::timeout(config.renew_interval, renew(&config, &lease, &mut session)) => Some(outcome),
+                    outcome = tokio::time::timeout(
+                        config.renew_interval,
+                        renew(&config, &lease, &mut session),
+                    ) => Some(outcome),
                 };
                 expiry_bound = clock() + config.ttl;
                 match outcome {
                     Some(Ok(Ok(Renewal::Extended))) => {
                         lease.confirmed(started);
-                        tracing::trace!(table = %lease.table, epoch = lease.epoch, "pgfence lease renewed");
+                        tracing::trace!(table = %lease.table, epoch = lease.epoch,
+                            "pgfence lease renewed");
                         next_renewal = started + config.renew_interval;
                         continue;
                     }
@@ -315,7 +321,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                     }
                     Some(Err(_)) => {
                         session = None;
-                        tracing::warn!(table = %lease.table, epoch = lease.epoch, timeout = ?config.renew_interval,
+                        tracing::warn!(table = %lease.table, epoch = lease.epoch,
+                            timeout = ?config.renew_interval,
                             "pgfence lease renewal timed out; retrying until the local deadline");
                         next_renewal = clock() + retry_every;
                         continue;
@@ -333,7 +340,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
         released = result.is_ok();
         if let Err(error) = result {
             tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
-                "pgfence lease release failed; retrying about every second until the lease's database expiry");
+                "pgfence lease release failed; retrying about every second until the lease's \
+                    database expiry");
         }
         next_release = clock() + retry_every;
         let _ = lease.enforce_policy(); // Panic or Abort end here; FailClosed goes on.

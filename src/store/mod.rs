@@ -332,7 +332,8 @@ impl PgKvStore {
     }
 
     /// Watches the lease: `Held` until it is lost (`Lost { reason }`, permanent) or given up
-    /// (`Released`; `Abandoned` when the store stopped but could not release it). Await `changed()` on it to learn of a loss the moment it is known.
+    /// (`Released`; `Abandoned` when the store stopped but could not release it). Await `changed()`
+    /// on it to learn of a loss the moment it is known.
     pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
         self.exec.lease.subscribe()
     }
@@ -440,7 +441,8 @@ mod db_tests {
             .unwrap();
         let admin = server.connect().await.unwrap();
         let renewal = "SELECT client_port FROM pg_stat_activity
-                        WHERE state = 'idle' AND query LIKE '%SET expires_at = clock_timestamp() + $2%'";
+                        WHERE state = 'idle'
+                          AND query LIKE '%SET expires_at = clock_timestamp() + $2%'";
         let port: i32 = loop {
             if let Some(row) = admin.query_opt(renewal, &[]).await.unwrap() {
                 break row.get(0);

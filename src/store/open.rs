@@ -48,7 +48,8 @@ pub(crate) async fn open_until(
             match opening.await {
                 Ok(store) => {
                     if let Err(e) = store.close().await {
-                        tracing::warn!(error = %e, "pgfence open stopped after its commit; releasing failed");
+                        tracing::warn!(error = %e, "pgfence open stopped after its commit; \
+                            releasing failed");
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "pgfence open stopped"),
@@ -133,7 +134,8 @@ async fn open_here(
                     release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
                 if tokio::time::timeout(builder.connect_timeout, release).await.is_err() {
                     tracing::warn!(table = %table.display(),
-                        "pgfence could not release a lease whose setup commit went unanswered in time; it expires by its TTL");
+                        "pgfence could not release a lease whose setup commit went unanswered in \
+                            time; it expires by its TTL");
                 }
             }
             return Err(error);
@@ -173,11 +175,13 @@ async fn open_here(
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
                 Some(Err(release)) => {
-                    tracing::error!(error = %release, "pgfence could not release after a failed start");
+                    tracing::error!(error = %release, "pgfence could not release after a failed \
+                        start");
                 }
                 None => {
                     tracing::error!(table = %table.display(),
-                        "pgfence gave up releasing after a failed start; the lease expires by its TTL");
+                        "pgfence gave up releasing after a failed start; the lease expires by its \
+                            TTL");
                     discard(client);
                 }
             }
@@ -345,11 +349,13 @@ async fn release_unanswered_setup(
     };
     match attempt.await {
         Ok(rows) if rows.is_empty() => {
-            tracing::debug!(table = %table.display(), "pgfence unanswered setup commit took no lease");
+            tracing::debug!(table = %table.display(), "pgfence unanswered setup commit took no \
+                lease");
         }
         Ok(_) => tracing::warn!(table = %table.display(), %owner_id,
             "pgfence released the lease of a setup whose commit went unanswered"),
         Err(e) => tracing::warn!(table = %table.display(), error = %e,
-            "pgfence could not release the lease of a setup whose commit went unanswered; it expires by its TTL"),
+            "pgfence could not release the lease of a setup whose commit went unanswered; it \
+                expires by its TTL"),
     }
 }

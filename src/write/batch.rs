@@ -19,8 +19,8 @@ use crate::keys::{MAX_BATCH_BYTES, check_key};
 /// [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB message limit.
 const BATCH_BYTES_PER_OPERATION: usize = 16;
 
-/// An atomic group of puts and removes, built with [`PgKvStore::batch`](crate::PgKvStore::batch) and applied with
-/// [`Batch::commit`].
+/// An atomic group of puts and removes, built with [`PgKvStore::batch`](crate::PgKvStore::batch)
+/// and applied with [`Batch::commit`].
 ///
 /// # Guarantees
 ///
@@ -31,10 +31,10 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 ///   size against [`MAX_BATCH_BYTES`] at `commit`; if any is invalid, `commit` returns that
 ///   (first) error and runs no SQL: nothing is written.
 /// - **Per-key order with single operations.** `commit()` takes every key's place in the
-///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). An operation of the batch
-///   whose key was already changed by a *later* call (a `write`, `remove` or another batch
-///   called after this `commit`) is dropped, since the later value must win; the rest of the
-///   batch is still applied atomically. Nothing of a batch ever overwrites a later call.
+///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). An
+///   operation of the batch whose key was already changed by a *later* call (a `write`, `remove` or
+///   another batch called after this `commit`) is dropped, since the later value must win; the rest
+///   of the batch is still applied atomically. Nothing of a batch ever overwrites a later call.
 /// - **Last op wins within a batch.** When a key appears several times, only the last put or
 ///   remove of it is applied.
 /// - **Lease loss.** If the lease is gone, `commit` returns [`Error::LeaseLost`], nothing is
