@@ -6,8 +6,8 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
 #![deny(rust_2018_idioms, rustdoc::broken_intra_doc_links)]
 
-// Modules from the bottom of the dependency graph up: each uses only modules of the groups
-// before its own. A `write` travels down: `store` (the public method), `write` (per-key order,
+// Modules from the bottom of the dependency graph up, in groups: no module uses one of a
+// later group, so imports run one way. A `write` travels down: `store` (the public method), `write` (per-key order,
 // coalescing, the fenced statement), `exec` (admission, retries), `sql` (the statement text).
 
 // Leaves: errors, input checks, the SQL text, the deadline's clock.

@@ -388,8 +388,8 @@ mod tests {
         lease.subscribe().borrow().clone()
     }
 
-    /// A loss that lands after a release (a release can get in between a caller's check of
-    /// `given_up` and its `lose`) leaves the state `Released`, and the other way round.
+    /// A loss that lands after a release leaves the state `Released`, and a release after a
+    /// loss leaves it `Lost`: only the first change away from `Held` is published.
     #[test]
     fn released_and_lost_never_overwrite_each_other() {
         let released_first = lease();
