@@ -7,8 +7,9 @@
 #![deny(rust_2018_idioms, rustdoc::broken_intra_doc_links)]
 
 // Modules from the bottom of the dependency graph up, in groups: no module uses one of a
-// later group, so imports run one way. A `write` travels down: `store` (the public method), `write` (per-key order,
-// coalescing, the fenced statement), `exec` (admission, retries), `sql` (the statement text).
+// later group, so imports run one way. A `write` travels down: `store` (the public method),
+// `write` (per-key order, coalescing, the fenced statement), `exec` (admission, retries), `sql`
+// (the statement text).
 
 // Leaves: errors, input checks, the SQL text, the deadline's clock.
 mod clock;
