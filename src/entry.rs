@@ -7,15 +7,16 @@ use std::future::Future;
 
 use crate::blocking;
 use crate::config::Builder;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::inspect::Inspector;
 use crate::standby::Standby;
 use crate::store::{self, PgKvStore};
 
 impl Builder {
     /// Checks the options, connects, creates or migrates the schema and takes the lease, all in
-    /// one transaction. Fails with [`Error::LeaseHeld`] (and changes nothing) while another
-    /// live store holds the lease. Creates the database if it does not exist and the role may.
+    /// one transaction. Fails with [`Error::LeaseHeld`](crate::Error::LeaseHeld) (and changes
+    /// nothing) while another live store holds the lease. Creates the database if it does not
+    /// exist and the role may.
     ///
     /// A table that never had planner statistics gets them (`ANALYZE`) once the lease is
     /// taken, as the last step; best effort: held up for longer than one TTL (by a lock, or a
