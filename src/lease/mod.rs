@@ -403,4 +403,38 @@ mod tests {
         let lost = LeaseState::Lost { epoch: 7, reason: LossReason::TakenOver };
         assert_eq!(published(&lost_first), lost);
     }
+
+    /// After the release there is nothing left to lose: a failure is `Closed`, except for a
+    /// statement that may still commit, which is `LeaseLost` all the same (`Closed` reads as
+    /// "not written"); a mutation dropped with its outcome unknown is recorded. The published
+    /// state stays `Released` throughout.
+    #[test]
+    fn after_a_release_only_unknown_outcomes_are_reported_as_losses() {
+        let lease = lease();
+        lease.released();
+        assert!(matches!(lease.fail(LossReason::Fenced), Error::Closed));
+        assert!(!lease.dropped_unknown());
+        let e = lease.fail_sent(LossReason::DeadlinePassed);
+        let lost = matches!(e, Error::LeaseLost { epoch: 7, reason: LossReason::DeadlinePassed });
+        assert!(lost, "{e}");
+        lease.lose_unreported(LossReason::WriteOutcomeUnknown);
+        assert!(lease.dropped_unknown());
+        assert!(!lease.is_lost());
+        assert_eq!(published(&lease), LeaseState::Released { epoch: 7 });
+    }
+
+    /// A confirmed renewal moves the deadline of a held lease, never of a lost one: loss is
+    /// permanent even if a late renewal succeeds.
+    #[test]
+    fn only_a_held_lease_is_renewed() {
+        let lease = lease();
+        let started = lease.deadline();
+        lease.confirmed(started);
+        assert_eq!(lease.deadline(), started + Duration::from_secs(30));
+        lease.lose(LossReason::TakenOver);
+        lease.confirmed(started + Duration::from_secs(60));
+        assert_eq!(lease.deadline(), started + Duration::from_secs(30));
+        let e = lease.check().unwrap_err();
+        assert!(matches!(e, Error::LeaseLost { reason: LossReason::TakenOver, .. }), "{e}");
+    }
 }
