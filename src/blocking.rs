@@ -85,7 +85,7 @@ impl PgKvStore {
     /// on its runtime, but connections your code created on your runtime would stall (a
     /// current-thread runtime: deadlock) while a blocking call holds that runtime's thread.
     pub fn open(builder: Builder) -> Result<PgKvStore> {
-        PgKvStore::open_with(builder.open())
+        PgKvStore::open_with(crate::store::open::open(builder))
     }
 
     /// Waits as a standby until the lease can be taken, then opens the store (see
@@ -228,9 +228,9 @@ impl PgKvStore {
 
     /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
     /// returns the lease state then: [`LeaseState::Lost`], [`LeaseState::Released`] or
-    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a watchdog thread, take a
-    /// [`PgKvStore::lease_watch`] instead: a store handle kept by the watchdog would keep the
-    /// lease alive after the application dropped its own.
+    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a
+    /// watchdog thread, take a [`PgKvStore::lease_watch`] instead: a store handle kept by the
+    /// watchdog would keep the lease alive after the application dropped its own.
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
         self.lease_watch().wait_while_held(timeout)
     }
@@ -303,14 +303,6 @@ struct Unpark(thread::Thread);
 impl Wake for Unpark {
     fn wake(self: Arc<Self>) {
         self.0.unpark();
-    }
-}
-
-impl Builder {
-    /// Opens a [`blocking::PgKvStore`](PgKvStore): the same as [`PgKvStore::open`] with this
-    /// builder.
-    pub fn open_blocking(self) -> Result<PgKvStore> {
-        PgKvStore::open(self)
     }
 }
 

@@ -3,12 +3,12 @@
 use std::fmt;
 use std::time::Duration;
 
+use deadpool_postgres::{Pool, Runtime};
 use tokio_postgres::config::{Host, SslMode};
 
-use crate::batch::MAX_BATCH_BYTES;
-use crate::connect::Tls;
+use crate::connect::{self, Tls};
 use crate::error::{Error, Result};
-use crate::keys::TableName;
+use crate::keys::{MAX_BATCH_BYTES, TableName};
 
 /// What a store does, besides failing closed, when it finds its lease lost.
 ///
@@ -173,12 +173,12 @@ impl Builder {
     /// A `write` or `remove` that arrives while that many run waits, and the next statement
     /// to start applies the oldest waiting mutations (up to 1,000 of them and 16 MiB of values;
     /// of different keys: each key's order is kept) in one fenced statement, like a
-    /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent writers this keeps throughput at the level of
-    /// unfenced writes; below this many writers nothing waits. Each call still gets its own
-    /// result: if a shared statement fails, each of its mutations runs again alone, still
-    /// within this many statements at once. Batches
-    /// from [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let
-    /// every mutation have a statement of its own while a connection is free.
+    /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent
+    /// writers this keeps throughput at the level of unfenced writes; below this many writers
+    /// nothing waits. Each call still gets its own result: if a shared statement fails, each of
+    /// its mutations runs again alone, still within this many statements at once. Batches from
+    /// [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let every
+    /// mutation have a statement of its own while a connection is free.
     pub fn write_concurrency(mut self, statements: usize) -> Self {
         self.write_concurrency = statements;
         self
@@ -310,6 +310,27 @@ impl Builder {
     }
 
     /// Checks every option; returns the parsed table name.
+    /// The pool the store's operations use: built from the configuration (fast recycling:
+    /// a broken connection is noticed on use and retried), or the one supplied.
+    pub(crate) fn pool(&self) -> Result<Pool> {
+        let config = match &self.source {
+            Source::Config(_) => self.connection_config().expect("a config source"),
+            Source::Pool(pool) => return Ok(pool.clone()),
+            Source::Invalid(reason) => {
+                return Err(Error::config("connection string", reason.clone()));
+            }
+        };
+        let manager = self.tls.manager(config);
+        Pool::builder(manager)
+            .post_create(connect::read_committed(self.connect_timeout))
+            .max_size(self.pool_size)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(self.connect_timeout))
+            .recycle_timeout(Some(self.connect_timeout))
+            .build()
+            .map_err(|e| Error::config("pool", e.to_string()))
+    }
+
     pub(crate) fn validate(&self) -> Result<TableName> {
         if let Source::Invalid(reason) = &self.source {
             return Err(Error::config("connection string", reason.clone()));

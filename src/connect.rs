@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, HOOK_TIMED_OUT, Result};
 use crate::sql;
 
 /// The TLS client configuration of a store's connections; `None` connects without TLS.
@@ -107,17 +107,13 @@ pub(crate) fn read_committed(timeout: Duration) -> Hook {
     })
 }
 
-/// The error of [`read_committed`] when the server did not answer in time (retryable).
-pub(crate) const HOOK_TIMED_OUT: &str =
-    "no answer to setting read committed within connect_timeout";
-
 impl Tls {
     /// Asks the server to cancel the statement running on the connection of `token`, over a
     /// connection made like the others (a store on a pool, whose connector is unknown here,
     /// asks without TLS). Given up after `limit`: over TLS the request waits for the server's
     /// answer to its SSLRequest and for the handshake, which a server that stopped answering
     /// never gives (without TLS, only the TCP connect is waited for).
-    pub(crate) async fn cancel(&self, token: &CancelToken, limit: Duration) -> crate::Result<()> {
+    pub(crate) async fn cancel(&self, token: &CancelToken, limit: Duration) -> Result<()> {
         let sent = async {
             match &self.0 {
                 Some(tls) => token.cancel_query(tls.clone()).await,
@@ -125,8 +121,8 @@ impl Tls {
             }
         };
         match tokio::time::timeout(limit, sent).await {
-            Ok(sent) => sent.map_err(crate::Error::db("cancel")),
-            Err(_) => Err(crate::Error::Timeout { operation: "cancel", after: limit }),
+            Ok(sent) => sent.map_err(Error::db("cancel")),
+            Err(_) => Err(Error::Timeout { operation: "cancel", after: limit }),
         }
     }
 }

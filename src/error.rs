@@ -6,6 +6,12 @@ use std::time::Duration;
 /// A `Result` with [`Error`] as its error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The error of the pool's read-committed hook (`connect::read_committed`) when the server did
+/// not answer in time (retryable). Here, not in `connect`, because [`Error::is_retryable`]
+/// recognises it.
+pub(crate) const HOOK_TIMED_OUT: &str =
+    "no answer to setting read committed within connect_timeout";
+
 /// Everything that can go wrong in `pgfence`.
 ///
 /// Match on the variant to react: [`Error::LeaseHeld`] at open means another live store owns
@@ -178,7 +184,8 @@ impl fmt::Display for LossReason {
                 "renewal not confirmed before the local deadline (fail closed before DB expiry)"
             }
             LossReason::WriteOutcomeUnknown => {
-                "a write's outcome could not be resolved (its connection broke, its retries ended in an error, or its task was dropped)"
+                "a write's outcome could not be resolved (its connection broke, its retries ended \
+                    in an error, or its task was dropped)"
             }
         })
     }
@@ -242,7 +249,7 @@ impl Error {
                 ) => is_connection_error(e),
                 deadpool_postgres::PoolError::PostCreateHook(
                     deadpool_postgres::HookError::Message(message),
-                ) => message == crate::connect::HOOK_TIMED_OUT,
+                ) => message == HOOK_TIMED_OUT,
                 _ => false,
             },
             Error::Timeout { .. } => true,

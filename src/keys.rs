@@ -5,6 +5,13 @@ use crate::error::{Error, Result};
 /// Longest key or namespace accepted (LDK's limit too).
 pub const MAX_KEY_LEN: usize = 120;
 
+/// The most a [`Batch`](crate::Batch) may carry, counting the bytes of its keys, namespaces
+/// and values, and 16 bytes more for each operation (the lengths that go with them on the
+/// wire): 512 MiB. A batch is one statement, and PostgreSQL refuses a protocol message (and an
+/// array of values) of 1 GiB or more by closing the connection; this keeps every batch well
+/// below that, with a typed error ([`Error::BatchTooLarge`]) before any SQL instead.
+pub const MAX_BATCH_BYTES: usize = 512 << 20;
+
 /// Longest table name part accepted. PostgreSQL truncates identifiers at 63 bytes; the longest
 /// derived name is `<table>_schema_version` (15 more bytes), so 48 keeps every name exact.
 pub(crate) const MAX_TABLE_NAME_LEN: usize = 48;

@@ -251,7 +251,7 @@ async fn prepare(
     // The acquisition may have waited at the fence for the old owner's writes: count the TTL,
     // and the local deadline, from after that wait (from before this statement: the local
     // deadline must not come after the database's expiry).
-    let started = crate::lease::clock();
+    let started = crate::clock::clock();
     // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
     tx.query_one(&statements.restart_expiry, &[&holder.owner_id, &ttl_ms])
         .await

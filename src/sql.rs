@@ -19,7 +19,8 @@ pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 /// session-scoped lock is not: see the design notes). `$2` is the schema (NULL: the schema an
 /// unqualified name is created in), so `t` and `public.t` take the same lock.
 pub(crate) const SETUP_LOCK: &str = r#"
-SELECT pg_advisory_xact_lock($1::int, hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
+SELECT pg_advisory_xact_lock($1::int,
+    hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
 
 /// The schema a table name resolves to, by the rule of [`SETUP_LOCK`]: the one given (`$1`),
 /// or for an unqualified name the one it is created in, `current_schema()` (the first existing

@@ -4,20 +4,14 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Weak};
 
-use tokio_postgres::types::ToSql;
 use tracing::Instrument;
 
-use crate::error::{Error, KeyPath, Result};
-use crate::keys::check_key;
-use crate::ordering::Ticket;
-use crate::store::{Inner, Mutation, PgKvStore, admitted};
-
-/// The most a [`Batch`] may carry, counting the bytes of its keys, namespaces and values, and
-/// 16 bytes more for each operation (the lengths that go with them on the wire): 512 MiB. A batch is one statement,
-/// and PostgreSQL refuses a protocol message (and an array of values) of 1 GiB or more by
-/// closing the connection; this keeps every batch well below that, with a typed error
-/// ([`Error::BatchTooLarge`]) before any SQL instead.
-pub const MAX_BATCH_BYTES: usize = 512 << 20;
+use super::Writes;
+use super::ordering::Ticket;
+use super::statement::{Mutation, apply_fenced};
+use crate::error::{Error, Result};
+use crate::exec::{Executor, admitted};
+use crate::keys::{MAX_BATCH_BYTES, check_key};
 
 /// What each operation of a batch adds to its size besides its keys, namespaces and value: the
 /// statement sends them as array elements, each with a 4-byte length. Without it, a batch of
@@ -25,8 +19,8 @@ pub const MAX_BATCH_BYTES: usize = 512 << 20;
 /// [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB message limit.
 const BATCH_BYTES_PER_OPERATION: usize = 16;
 
-/// An atomic group of puts and removes, built with [`PgKvStore::batch`] and applied with
-/// [`Batch::commit`].
+/// An atomic group of puts and removes, built with [`PgKvStore::batch`](crate::PgKvStore::batch)
+/// and applied with [`Batch::commit`].
 ///
 /// # Guarantees
 ///
@@ -37,10 +31,10 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 ///   size against [`MAX_BATCH_BYTES`] at `commit`; if any is invalid, `commit` returns that
 ///   (first) error and runs no SQL: nothing is written.
 /// - **Per-key order with single operations.** `commit()` takes every key's place in the
-///   per-key order when it is *called*, like [`PgKvStore::write`]. An operation of the batch
-///   whose key was already changed by a *later* call (a `write`, `remove` or another batch
-///   called after this `commit`) is dropped, since the later value must win; the rest of the
-///   batch is still applied atomically. Nothing of a batch ever overwrites a later call.
+///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). An
+///   operation of the batch whose key was already changed by a *later* call (a `write`, `remove` or
+///   another batch called after this `commit`) is dropped, since the later value must win; the rest
+///   of the batch is still applied atomically. Nothing of a batch ever overwrites a later call.
 /// - **Last op wins within a batch.** When a key appears several times, only the last put or
 ///   remove of it is applied.
 /// - **Lease loss.** If the lease is gone, `commit` returns [`Error::LeaseLost`], nothing is
@@ -50,17 +44,17 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 /// fails with [`Error::Closed`] or [`Error::LeaseLost`] when the store is closed or has lost
 /// its lease.
 ///
-/// An uncommitted batch does not keep the store alive. Dropping the last [`PgKvStore`] handle
-/// releases the lease even while a batch exists; its `commit` then returns [`Error::Closed`]
-/// and writes nothing. The future `commit` returns does keep the store alive until it is done.
+/// An uncommitted batch does not keep the store alive. Dropping the last
+/// [`PgKvStore`](crate::PgKvStore) handle releases the lease even while a batch exists; its
+/// `commit` then returns [`Error::Closed`] and writes nothing. The future `commit` returns does
+/// keep the store alive until it is done.
 #[derive(Debug)]
 #[must_use = "a batch does nothing until `commit()` is called and awaited"]
 pub struct Batch {
     /// Weak: a batch being built must not hold the lease (and its renewal) after the store's
     /// last handle is gone.
-    store: Weak<Inner>,
-    /// The store's limit, kept to check values as they are added.
-    max_value_size: usize,
+    exec: Weak<Executor>,
+    writes: Arc<Writes>,
     /// The last operation of each key; the map's order is the order key turns are taken in.
     ops: BTreeMap<(String, String, String), Mutation>,
     /// The first validation error, reported by `commit` before any SQL runs.
@@ -73,19 +67,12 @@ struct Entry {
     op: Mutation,
 }
 
-impl PgKvStore {
-    /// Starts an empty atomic batch of puts and removes; see [`Batch`].
-    pub fn batch(&self) -> Batch {
-        Batch {
-            store: Arc::downgrade(&self.inner),
-            max_value_size: self.inner.max_value_size,
-            ops: BTreeMap::new(),
-            invalid: None,
-        }
-    }
-}
-
 impl Batch {
+    /// An empty batch of a store (see [`crate::PgKvStore::batch`]).
+    pub(crate) fn new(exec: &Arc<Executor>, writes: Arc<Writes>) -> Batch {
+        Batch { exec: Arc::downgrade(exec), writes, ops: BTreeMap::new(), invalid: None }
+    }
+
     /// Adds a write of `value` to the key (creating or replacing it). Replaces any earlier
     /// operation of the same key in this batch.
     pub fn put(
@@ -95,13 +82,8 @@ impl Batch {
         key: &str,
         value: Vec<u8>,
     ) -> Self {
-        let max = self.max_value_size;
-        let checked = check_key(primary_namespace, secondary_namespace, key).and_then(|()| {
-            if value.len() > max {
-                return Err(Error::ValueTooLarge { len: value.len(), max });
-            }
-            Ok(())
-        });
+        let checked = check_key(primary_namespace, secondary_namespace, key)
+            .and_then(|()| self.writes.check_value(&value));
         self.add(checked, primary_namespace, secondary_namespace, key, Mutation::Write(value));
         self
     }
@@ -148,35 +130,35 @@ impl Batch {
     /// transaction, under this store's lease. [`Error::Closed`] if every handle of the store
     /// was dropped before this call.
     pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
-        let Batch { store, ops, invalid, .. } = self;
+        let Batch { exec, writes, ops, invalid } = self;
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
         // the moment `commit` was called, whatever happens to the future afterwards.
-        let prepared = match (invalid.or_else(|| too_large(&ops)), store.upgrade()) {
+        let prepared = match (invalid.or_else(|| too_large(&ops)), exec.upgrade()) {
             (Some(e), _) => Err(e),
             (None, None) => Err(Error::Closed),
-            (None, Some(inner)) => {
+            (None, Some(exec)) => {
                 let span = tracing::debug_span!(
                     "pgfence",
                     operation = "batch",
-                    table = %inner.table.display(),
+                    table = %exec.table.display(),
                     ops = ops.len(),
-                    epoch = inner.lease.epoch,
+                    epoch = exec.lease.epoch,
                 );
                 let entries: Vec<Entry> = ops
                     .into_iter()
                     .map(|((primary, secondary, key), op)| Entry {
-                        ticket: inner.ticket(&primary, &secondary, &key),
+                        ticket: writes.ticket(&primary, &secondary, &key),
                         op,
                     })
                     .collect();
-                Ok((inner, entries, span))
+                Ok((exec, entries, span))
             }
         };
         async move {
-            let (inner, entries, span) = prepared?;
-            let store = Arc::clone(&inner);
+            let (exec, entries, span) = prepared?;
+            let store = Arc::clone(&exec);
             let work = async move { apply(&store, entries).await };
-            admitted(&inner, work.instrument(span)).await
+            admitted(&exec, work.instrument(span)).await
         }
     }
 }
@@ -202,7 +184,7 @@ fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize)
 }
 
 /// Takes the key turns, then runs the one fenced statement.
-async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
+async fn apply(exec: &Executor, entries: Vec<Entry>) -> Result<()> {
     // Turns are taken one key at a time in the map's sorted key order and held together until
     // the statement has finished. Single-key operations hold one turn at a time and every
     // batch takes its turns in the same global order, so no two waiters can wait on each
@@ -219,57 +201,13 @@ async fn apply(inner: &Inner, entries: Vec<Entry>) -> Result<()> {
     }
     if turns.is_empty() {
         // Nothing to write, but an operation of a fenced store still fails.
-        return inner.lease.check();
+        return exec.lease.check();
     }
-    apply_fenced(inner, ops).await?;
+    apply_fenced(exec, ops).await?;
     for turn in turns {
         turn.applied();
     }
     Ok(())
-}
-
-/// Runs the one fenced batch statement for `ops` (each key at most once), while the caller
-/// holds every key's turn. `Ok` means all of them committed.
-pub(crate) async fn apply_fenced<'a>(
-    inner: &Inner,
-    ops: impl IntoIterator<Item = (&'a KeyPath, &'a Mutation)>,
-) -> Result<()> {
-    let mut puts = Columns::default();
-    let mut removes = Columns::default();
-    let mut values: Vec<&[u8]> = Vec::new();
-    for (path, op) in ops {
-        match op {
-            Mutation::Write(value) => {
-                puts.push(path);
-                values.push(value);
-            }
-            Mutation::Remove => removes.push(path),
-        }
-    }
-    let owner = inner.lease.owner_id;
-    let statements = &inner.statements;
-    let puts = [&owner as &(dyn ToSql + Sync), &puts.primary, &puts.secondary, &puts.key, &values];
-    if removes.key.is_empty() {
-        return inner.fenced("batch", &statements.batch_put, &puts).await;
-    }
-    let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
-    inner.fenced("batch", &statements.batch, &[&puts[..], &removes[..]].concat()).await
-}
-
-/// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
-#[derive(Default)]
-struct Columns<'a> {
-    primary: Vec<&'a str>,
-    secondary: Vec<&'a str>,
-    key: Vec<&'a str>,
-}
-
-impl<'a> Columns<'a> {
-    fn push(&mut self, path: &'a KeyPath) {
-        self.primary.push(&path.primary_namespace);
-        self.secondary.push(&path.secondary_namespace);
-        self.key.push(&path.key);
-    }
 }
 
 #[cfg(test)]

@@ -29,10 +29,10 @@ use std::sync::Mutex;
 
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::batch;
+use super::statement::{Mutation, apply_alone, apply_fenced};
 use crate::error::{Error, KeyPath, LossReason, Result};
+use crate::exec::Executor;
 use crate::lease::Lease;
-use crate::store::{Inner, Mutation};
 
 /// The most mutations one shared statement carries.
 const MAX_GROUP: usize = 1000;
@@ -103,24 +103,28 @@ impl Coalescer {
         }
         queue.drain(..len).collect()
     }
-}
 
-impl Inner {
     /// Applies one mutation while the caller holds its key's turn: in a statement of its own
     /// when one is free, otherwise together with the others waiting. `Ok` means committed.
-    pub(crate) async fn apply_coalesced(&self, path: &KeyPath, mutation: Mutation) -> Result<()> {
+    pub(crate) async fn apply(
+        &self,
+        exec: &Executor,
+        path: &KeyPath,
+        mutation: Mutation,
+    ) -> Result<()> {
         // Below `write_concurrency` a statement is free (a released permit goes to a waiting
         // caller first, so a free one means nobody waits): run at once, without queueing.
-        if let Ok(_permit) = self.coalescer.statements.try_acquire() {
-            return self.apply_alone(path, &mutation).await;
+        if let Ok(_permit) = self.statements.try_acquire() {
+            return apply_alone(exec, path, &mutation).await;
         }
         // A store that has lost its lease fails at once instead of queueing behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
         // it: this operation was admitted before, and close() waits for it.)
-        self.lease.check()?;
+        exec.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
-        self.coalescer.push(Queued { path: path.clone(), mutation, done });
-        let mut waiting = Waiting { inner: self, path, carrying_own: false };
+        self.push(Queued { path: path.clone(), mutation, done });
+        let mut waiting =
+            Waiting { coalescer: self, lease: &exec.lease, path, carrying_own: false };
         // While its mutation is queued, a caller competes for a statement; with one, it takes
         // the oldest queued mutations (its own among them unless more than a group is queued)
         // and runs them. So whatever is queued always has a caller about to run it. Once its
@@ -131,28 +135,29 @@ impl Inner {
                 biased;
                 reported = &mut outcome => {
                     waiting.reported();
-                    return self.finish(path, reported).await;
+                    return self.finish(exec, path, reported).await;
                 }
-                permit = self.coalescer.statements.acquire() => {
+                permit = self.statements.acquire() => {
                     let _permit = permit.expect("the semaphore is never closed");
-                    let group = self.coalescer.take_group(path);
+                    let group = self.take_group(path);
                     if group.is_empty() {
                         break; // Ours is in another caller's statement.
                     }
                     waiting.carrying_own = group.iter().any(|queued| queued.path == *path);
-                    self.run_group(group).await;
+                    self.run_group(exec, group).await;
                     waiting.carrying_own = false;
                 }
             }
         }
         let reported = outcome.await;
         waiting.reported();
-        self.finish(path, reported).await
+        self.finish(exec, path, reported).await
     }
 
     /// The caller's result from what its statement reported.
     async fn finish(
         &self,
+        exec: &Executor,
         path: &KeyPath,
         reported: Result<Outcome, oneshot::error::RecvError>,
     ) -> Result<()> {
@@ -163,27 +168,23 @@ impl Inner {
             // group with before reading the report), and permit holders never wait for a
             // key's turn.
             Ok(Outcome::Alone(mutation)) => {
-                let _permit = self
-                    .coalescer
-                    .statements
-                    .acquire()
-                    .await
-                    .expect("the semaphore is never closed");
-                self.apply_alone(path, &mutation).await
+                let _permit =
+                    self.statements.acquire().await.expect("the semaphore is never closed");
+                apply_alone(exec, path, &mutation).await
             }
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
             // server, so the key's order cannot be vouched for: fail closed.
-            Err(_) => Err(self.lease.fail_outcome_unknown()),
+            Err(_) => Err(exec.lease.fail_outcome_unknown()),
         }
     }
 
     /// Runs the statement of a taken group and reports to every caller in it.
-    async fn run_group(&self, group: Vec<Queued>) {
-        let mut carried = Carried { lease: &self.lease, group };
+    async fn run_group(&self, exec: &Executor, group: Vec<Queued>) {
+        let mut carried = Carried { lease: &exec.lease, group };
         let group = &mut carried.group;
         if group.len() == 1 {
-            let result = self.apply_alone(&group[0].path, &group[0].mutation).await;
+            let result = apply_alone(exec, &group[0].path, &group[0].mutation).await;
             let Queued { done, .. } = group.pop().expect("one mutation");
             // The caller waits for this (its task runs to the end); nothing to do if not.
             let _ = done.send(Outcome::Done(result));
@@ -191,7 +192,7 @@ impl Inner {
         }
         group.sort_by(|a, b| sort_key(&a.path).cmp(&sort_key(&b.path)));
         tracing::debug!(mutations = group.len(), "pgfence coalesced mutations into one statement");
-        let result = batch::apply_fenced(self, group.iter().map(|q| (&q.path, &q.mutation))).await;
+        let result = apply_fenced(exec, group.iter().map(|q| (&q.path, &q.mutation))).await;
         if let Err(e) = &result {
             tracing::warn!(error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
@@ -208,7 +209,7 @@ impl Inner {
         for Queued { mutation, done, .. } in group.drain(..) {
             let outcome = match (&result, lost) {
                 (Ok(()), _) => Outcome::Done(Ok(())),
-                (Err(_), Some(reason)) => Outcome::Done(Err(self.lease.fail_sent(reason.clone()))),
+                (Err(_), Some(reason)) => Outcome::Done(Err(exec.lease.fail_sent(reason.clone()))),
                 (Err(_), None) => Outcome::Alone(mutation),
             };
             let _ = done.send(outcome);
@@ -219,7 +220,7 @@ impl Inner {
 /// The queued mutations a statement carries, until their callers are told its outcome.
 /// Dropped before that (the task running the statement was dropped: its runtime shut down), it
 /// tells them what can be known. If the statement may have been sent, the task's own guard in
-/// `Inner::run` (`store::OutcomePending`, dropped first) has marked the lease lost (or, after a
+/// `Executor::run` (`exec::OutcomePending`, dropped first) has marked the lease lost (or, after a
 /// release, recorded the unknown outcome: run alone then, each would get `Closed`), and the
 /// callers learn that their outcome is unknown (their channel closes). Otherwise nothing of the
 /// statement can ever land, and each caller gets its mutation back to run on its own, as after
@@ -245,9 +246,10 @@ impl Drop for Carried<'_> {
 /// withdraws the mutation if it is still queued, and lets it go if its own statement carried it
 /// and was never sent (see [`Carried`]); if a statement may carry it, that statement may commit
 /// it after a later call of the key (whose turn is gone with the task), so the store fails
-/// closed, as for a statement of one's own (see `store::OutcomePending`).
+/// closed, as for a statement of one's own (see `exec::OutcomePending`).
 struct Waiting<'a> {
-    inner: &'a Inner,
+    coalescer: &'a Coalescer,
+    lease: &'a Lease,
     path: &'a KeyPath,
     /// Whether the caller's mutation is in the statement this caller itself is running.
     carrying_own: bool,
@@ -261,16 +263,16 @@ impl Waiting<'_> {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if self.inner.coalescer.withdraw(self.path) {
+        if self.coalescer.withdraw(self.path) {
             return; // Still queued: it never runs.
         }
         // In this caller's own statement, whose guard (dropped before this) recorded it if it
         // may have been sent (see [`Carried`]): nothing recorded, it never ran.
-        if self.carrying_own && !self.inner.lease.dropped_unknown() {
+        if self.carrying_own && !self.lease.dropped_unknown() {
             return;
         }
         tracing::error!("pgfence mutation dropped while a shared statement may still run it");
-        self.inner.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
+        self.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
     }
 }
 

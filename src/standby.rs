@@ -1,18 +1,16 @@
-//! Failover: a standby that waits for the lease, and read-only inspection for operators.
+//! Failover: a standby that waits for the lease, then opens the store.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use tokio_postgres::error::SqlState;
 
 use crate::config::Builder;
 use crate::error::{Error, Result};
-use crate::keys::{TableName, check_key, check_namespaces};
-use crate::schema::{self, LeaseInfo};
-use crate::sql::Statements;
-use crate::store::{PgKvStore, value_or_not_found};
+use crate::keys::TableName;
+use crate::schema;
+use crate::store::{self, PgKvStore};
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it: bounds the
 /// takeover delay when notifications are unavailable (LISTEN connection down, or a pool source).
@@ -53,9 +51,9 @@ pub enum StandbyState {
 /// the database clock, and is woken early by any notification. If the LISTEN connection fails it
 /// polls at least every second and reconnects; after every 5 s without a notification it checks
 /// that the connection still answers, and replaces one that does not (silently dropped by a NAT
-/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it by dropping the `open()` future (an
-/// attempt in progress is then cancelled in the background), or with
-/// [`Standby::open_until`], which returns once nothing of it is left running.
+/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it
+/// by dropping the `open()` future (an attempt in progress is then cancelled in the background), or
+/// with [`Standby::open_until`], which returns once nothing of it is left running.
 #[derive(Debug)]
 pub struct Standby {
     builder: Builder,
@@ -63,31 +61,12 @@ pub struct Standby {
     progress: watch::Sender<StandbyState>,
 }
 
-impl Builder {
-    /// A standby for this configuration: see [`Standby`].
-    pub fn standby(self) -> Standby {
-        Standby {
-            builder: self,
-            timeout: None,
-            progress: watch::Sender::new(StandbyState::Starting),
-        }
-    }
-
-    /// Waits, without limit, until the lease can be taken, then opens the store. Shorthand for
-    /// `self.standby().open()`; use [`Builder::standby`] for a timeout or progress reports.
-    pub async fn open_when_available(self) -> Result<PgKvStore> {
-        self.standby().open().await
-    }
-
-    /// Read-only access to the table without taking the lease, for operators and tools.
-    pub async fn inspect(self) -> Result<Inspector> {
-        let table = self.validate()?;
-        let pool = self.pool()?;
-        Ok(Inspector { pool, statements: Statements::new(&table), table })
-    }
-}
-
 impl Standby {
+    /// A standby for `builder`'s configuration (see [`Builder::standby`]).
+    pub(crate) fn new(builder: Builder) -> Standby {
+        Standby { builder, timeout: None, progress: watch::Sender::new(StandbyState::Starting) }
+    }
+
     /// Gives up with [`Error::Timeout`] if the lease could not be taken within `timeout`. An
     /// attempt still in progress then is cancelled and never takes the lease later (see
     /// [`Builder::open`]).
@@ -147,7 +126,7 @@ impl Standby {
                     () = &mut stop => return Ok(None),
                 };
             }
-            let wait = match self.builder.clone().open_until(&mut stop).await {
+            let wait = match store::open::open_until(self.builder.clone(), &mut stop).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(store)) => {
                     self.progress
@@ -257,112 +236,5 @@ impl Listener {
             }
         }
         while self.notified.try_recv().is_ok() {} // One attempt covers every queued notice.
-    }
-}
-
-/// Read-only access to a table without its lease: the lease row, reads and listings, and the
-/// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
-/// yet reads as empty.
-#[derive(Debug)]
-pub struct Inspector {
-    pool: deadpool_postgres::Pool,
-    table: TableName,
-    statements: Statements,
-}
-
-impl Inspector {
-    async fn query(
-        &self,
-        operation: &'static str,
-        sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<Option<Vec<tokio_postgres::Row>>> {
-        let client = self.pool.get().await.map_err(Error::pool(operation))?;
-        match client.query(sql, params).await {
-            Ok(rows) => Ok(Some(rows)),
-            Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
-            Err(source) => Err(Error::Database { operation, source }),
-        }
-    }
-
-    /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
-    pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
-        let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
-        match schema::lease_info(&**client, &self.statements).await {
-            Err(Error::Database { source, .. })
-                if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
-            {
-                Ok(None)
-            }
-            other => other,
-        }
-    }
-
-    /// Reads a value; [`Error::NotFound`] if absent.
-    pub async fn read(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-        key: &str,
-    ) -> Result<Vec<u8>> {
-        check_key(primary_namespace, secondary_namespace, key)?;
-        let rows = self
-            .query("read", &self.statements.read, &[&primary_namespace, &secondary_namespace, &key])
-            .await?
-            .unwrap_or_default();
-        value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
-    }
-
-    /// Keys of a namespace pair, in byte order.
-    pub async fn list(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-    ) -> Result<Vec<String>> {
-        check_namespaces(primary_namespace, secondary_namespace)?;
-        let rows = self
-            .query("list", &self.statements.list, &[&primary_namespace, &secondary_namespace])
-            .await?;
-        Ok(rows.unwrap_or_default().iter().map(|row| row.get(0)).collect())
-    }
-
-    /// Every key as `(primary_namespace, secondary_namespace, key)`, in byte order.
-    pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
-        let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
-        Ok(rows
-            .unwrap_or_default()
-            .iter()
-            .map(|row| (row.get(0), row.get(1), row.get(2)))
-            .collect())
-    }
-
-    /// Break-glass: expires the lease whoever holds it, so another store can take it at once,
-    /// and wakes waiting standbys. The holder, if still running, is fenced from its next write
-    /// on and fails closed at its next renewal. Returns the holder it released, or `None` when
-    /// it released nothing: nobody held the lease, or the lease it found expired or changed
-    /// hands before its release ran (a new holder is then left alone: see
-    /// [`Inspector::lease_info`] for who holds the lease now).
-    pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
-        let held = self.lease_info().await?.filter(|info| info.active);
-        let Some(held) = held else { return Ok(None) };
-        let client = self.pool.get().await.map_err(Error::pool("force release"))?;
-        let channel = schema::notify_channel(&**client, &self.table)
-            .await
-            .map_err(Error::db("resolve table schema"))?;
-        drop(client);
-        let rows = self
-            .query("force release", &self.statements.release, &[&held.owner_id, &channel])
-            .await?
-            .unwrap_or_default();
-        // Empty: the lease expired or changed hands between the two statements. The release
-        // is by owner id, so a new holder keeps its lease, and nothing was released.
-        if rows.is_empty() {
-            tracing::info!(table = %self.table.display(), epoch = held.epoch,
-                "pgfence force release found the lease expired or taken over; released nothing");
-            return Ok(None);
-        }
-        tracing::warn!(table = %self.table.display(), epoch = held.epoch, holder = %held.holder,
-            "pgfence lease force-released by an operator");
-        Ok(Some(held))
     }
 }

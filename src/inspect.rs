@@ -1,0 +1,125 @@
+//! Read-only inspection for operators: the lease row, reads and listings without the lease,
+//! and the break-glass release.
+
+use tokio_postgres::error::SqlState;
+
+use crate::config::Builder;
+use crate::error::{Error, Result};
+use crate::exec::value_or_not_found;
+use crate::keys::{TableName, check_key, check_namespaces};
+use crate::schema::{self, LeaseInfo};
+use crate::sql::Statements;
+
+/// Read-only access to a table without its lease: the lease row, reads and listings, and the
+/// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
+/// yet reads as empty.
+#[derive(Debug)]
+pub struct Inspector {
+    pool: deadpool_postgres::Pool,
+    table: TableName,
+    statements: Statements,
+}
+
+impl Inspector {
+    /// An inspector of `builder`'s table (see [`Builder::inspect`]).
+    pub(crate) fn new(builder: &Builder) -> Result<Inspector> {
+        let table = builder.validate()?;
+        let pool = builder.pool()?;
+        Ok(Inspector { pool, statements: Statements::new(&table), table })
+    }
+
+    async fn query(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<Vec<tokio_postgres::Row>>> {
+        let client = self.pool.get().await.map_err(Error::pool(operation))?;
+        match client.query(sql, params).await {
+            Ok(rows) => Ok(Some(rows)),
+            Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
+            Err(source) => Err(Error::Database { operation, source }),
+        }
+    }
+
+    /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
+    pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
+        let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
+        match schema::lease_info(&**client, &self.statements).await {
+            Err(Error::Database { source, .. })
+                if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
+            {
+                Ok(None)
+            }
+            other => other,
+        }
+    }
+
+    /// Reads a value; [`Error::NotFound`] if absent.
+    pub async fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<Vec<u8>> {
+        check_key(primary_namespace, secondary_namespace, key)?;
+        let rows = self
+            .query("read", &self.statements.read, &[&primary_namespace, &secondary_namespace, &key])
+            .await?
+            .unwrap_or_default();
+        value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
+    }
+
+    /// Keys of a namespace pair, in byte order.
+    pub async fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> Result<Vec<String>> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let rows = self
+            .query("list", &self.statements.list, &[&primary_namespace, &secondary_namespace])
+            .await?;
+        Ok(rows.unwrap_or_default().iter().map(|row| row.get(0)).collect())
+    }
+
+    /// Every key as `(primary_namespace, secondary_namespace, key)`, in byte order.
+    pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
+        let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
+        Ok(rows
+            .unwrap_or_default()
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect())
+    }
+
+    /// Break-glass: expires the lease whoever holds it, so another store can take it at once,
+    /// and wakes waiting standbys. The holder, if still running, is fenced from its next write
+    /// on and fails closed at its next renewal. Returns the holder it released, or `None` when
+    /// it released nothing: nobody held the lease, or the lease it found expired or changed
+    /// hands before its release ran (a new holder is then left alone: see
+    /// [`Inspector::lease_info`] for who holds the lease now).
+    pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
+        let held = self.lease_info().await?.filter(|info| info.active);
+        let Some(held) = held else { return Ok(None) };
+        let client = self.pool.get().await.map_err(Error::pool("force release"))?;
+        let channel = schema::notify_channel(&**client, &self.table)
+            .await
+            .map_err(Error::db("resolve table schema"))?;
+        drop(client);
+        let rows = self
+            .query("force release", &self.statements.release, &[&held.owner_id, &channel])
+            .await?
+            .unwrap_or_default();
+        // Empty: the lease expired or changed hands between the two statements. The release
+        // is by owner id, so a new holder keeps its lease, and nothing was released.
+        if rows.is_empty() {
+            tracing::info!(table = %self.table.display(), epoch = held.epoch,
+                "pgfence force release found the lease expired or taken over; released nothing");
+            return Ok(None);
+        }
+        tracing::warn!(table = %self.table.display(), epoch = held.epoch, holder = %held.holder,
+            "pgfence lease force-released by an operator");
+        Ok(Some(held))
+    }
+}

@@ -1,0 +1,464 @@
+//! `PgKvStore`, the public API: read, write, remove, list, paginate, close. Each method checks
+//! its input, then hands over to the write path ([`crate::write`]) or straight to the
+//! statement executor ([`crate::exec`]). The open sequence is in [`open`].
+
+pub(crate) mod open;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use deadpool_postgres::Pool;
+use tokio::sync::watch;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::config::{Builder, Source};
+use crate::error::{Error, Result};
+use crate::exec::{Executor, admitted, value_or_not_found};
+use crate::keys::{check_key, check_namespaces};
+use crate::lease::LeaseState;
+use crate::schema::{self, LeaseInfo};
+use crate::write::batch::Batch;
+use crate::write::{Mutation, Writes};
+
+/// A key-value store in PostgreSQL that only the holder of the table's lease may mutate.
+///
+/// # Guarantees
+///
+/// - **Fencing.** Every `write` and `remove` runs in one SQL statement that checks, under a
+///   `FOR KEY SHARE` lock on the lease row, that this store still owns an unexpired lease, and
+///   mutates only if so. A takeover must change the lease row's owner, which waits for that
+///   lock: no write of this store can commit after another store acquired the lease. (While
+///   [`Builder::write_concurrency`] statements are busy, waiting mutations of other keys share
+///   the next such statement; each call still gets its own result.)
+/// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed
+///   (or was superseded by a later call to the same key that is committed).
+/// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
+///   methods were *called*, whatever order their futures are polled or complete in: a later
+///   call's value is never overwritten by an earlier one.
+/// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
+///   deadline (which comes before the database expiry), every key operation (reads, lists,
+///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
+///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. An operation still waiting for
+///   the server's answer when the local deadline passes returns then too (within about a
+///   second), instead of waiting for a server that may never answer. Of the calls that read
+///   the database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease
+///   now. The [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation
+///   whose statement had already locked the lease row when the loss came may still commit; a
+///   successor's takeover waits for it. It returns `Ok` if its answer comes before the local
+///   deadline, else `LeaseLost` with its outcome unknown (read the key back).
+/// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
+///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
+///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
+///   releases its successor's; it releases its own at once, retrying about every second while
+///   the database cannot be reached. A crashed store's lease is taken over after it expires.
+/// - **Reads** see committed data only: a read returns the latest committed value of the key
+///   at the time its statement runs.
+///
+/// Cloning is cheap and shares one store (one lease).
+#[derive(Debug, Clone)]
+pub struct PgKvStore {
+    /// The pool, the lease and the executor: kept alive by every handle and outstanding
+    /// operation; the last one dropped releases the lease.
+    pub(crate) exec: Arc<Executor>,
+    /// The per-key order and the coalescing queue.
+    pub(crate) writes: Arc<Writes>,
+}
+
+/// An opaque position in a newest-first listing, from [`Page::next_page_token`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PageToken(String);
+
+impl PageToken {
+    /// Wraps a token previously taken from [`PageToken::as_str`].
+    pub fn new(token: impl Into<String>) -> PageToken {
+        PageToken(token.into())
+    }
+
+    /// The token as a string, to store or send elsewhere.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// One page of [`PgKvStore::list_paginated`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// Keys, newest-created first (an overwrite keeps a key's original position).
+    pub keys: Vec<String>,
+    /// Where the next page starts; `None` on the last page.
+    pub next_page_token: Option<PageToken>,
+}
+
+/// The read/write/remove/list interface of a key-value store, as `PgKvStore` implements it.
+///
+/// `write` and `remove` are plain functions returning `'static + Send` futures: validation and
+/// the key's place in the per-key order happen when they are called.
+pub trait KvStore {
+    /// Reads a value; [`Error::NotFound`] if the key does not exist.
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Vec<u8>>> + Send;
+
+    /// Writes a value, creating or replacing the key.
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<Self>;
+
+    /// Removes a key; removing a missing key is not an error. `lazy` removes may be executed
+    /// eagerly (this store always does).
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<Self>;
+
+    /// Lists the keys of a namespace pair (in byte order); empty for an unknown namespace.
+    fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send;
+}
+
+impl PgKvStore {
+    /// Starts configuring a store from a connection string (`postgres://user:pass@host/db` or
+    /// `host=... user=...`). An unparsable string is reported by [`Builder::open`].
+    pub fn builder(connection_string: &str) -> Builder {
+        match connection_string.parse::<tokio_postgres::Config>() {
+            Ok(config) => Builder::new(Source::Config(Box::new(config))),
+            // The parser's message never contains the string itself, so no password leaks.
+            Err(e) => Builder::new(Source::Invalid(e.to_string())),
+        }
+    }
+
+    /// Starts configuring a store from a `tokio_postgres::Config`.
+    pub fn builder_from_config(config: tokio_postgres::Config) -> Builder {
+        Builder::new(Source::Config(Box::new(config)))
+    }
+
+    /// Starts configuring a store on an existing pool. The renewal task takes one connection
+    /// out of the pool for good (the pool then opens a replacement when needed, so the renewal
+    /// connection comes on top of the pool's maximum); its I/O runs on the runtime that created
+    /// it. Notifications cannot be received through a pooled connection, so a standby on a pool
+    /// polls instead of listening. `close()` leaves the pool open. Dropping such a store inside a
+    /// current-thread runtime cannot release the lease (the renewal connection's I/O needs the
+    /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For
+    /// renewal fully independent of the application's runtime, use [`PgKvStore::builder`] or
+    /// [`PgKvStore::builder_from_config`].
+    ///
+    /// The pool's connections must default to read committed. The store sets the connections
+    /// it opens itself to read committed, whatever `default_transaction_isolation` the
+    /// database, the role or the connection's options say, but it cannot set a pool's it did
+    /// not build: under repeatable read or serializable a write that waited for a takeover would
+    /// get a serialization failure (SQLSTATE 40001) instead of [`Error::LeaseLost`]. So
+    /// [`Builder::open`] refuses a pool whose connections default to either
+    /// ([`Error::InvalidConfig`], field `"pool"`). Where the database or role sets a stricter
+    /// default, give the pool's connections `-c default_transaction_isolation=read\ committed`
+    /// in their options (the backslash keeps the space in the value). A `post_create` hook that
+    /// runs `SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED` passes
+    /// the check too, but `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL`
+    /// undoes it.
+    pub fn builder_from_pool(pool: Pool) -> Builder {
+        Builder::new(Source::Pool(pool))
+    }
+
+    /// Reads a value; [`Error::NotFound`] if the key does not exist.
+    pub async fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<Vec<u8>> {
+        check_key(primary_namespace, secondary_namespace, key)?;
+        let exec = &self.exec;
+        let span = exec.span("read", primary_namespace, secondary_namespace, key);
+        async {
+            let rows = exec
+                .query(
+                    "read",
+                    &exec.statements.read,
+                    &[&primary_namespace, &secondary_namespace, &key],
+                )
+                .await?;
+            value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Writes a value, creating or replacing the key. The key's place in the per-key order is
+    /// taken now, in this call; the returned future does the work and may outlive this handle.
+    /// `Ok` means committed under this store's lease (or superseded by a later call).
+    pub fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
+        let prepared = check_key(primary_namespace, secondary_namespace, key)
+            .and_then(|()| writes.check_value(&value))
+            .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
+        let span = exec.span("write", primary_namespace, secondary_namespace, key);
+        async move {
+            let ticket = prepared?;
+            let store = Arc::clone(&exec);
+            let work = async move { writes.mutate(&store, ticket, Mutation::Write(value)).await };
+            admitted(&exec, work.instrument(span)).await
+        }
+    }
+
+    /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
+    /// key like `write` itself. `lazy` is accepted for LDK's interface; removes are always
+    /// executed eagerly.
+    pub fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        let _ = lazy;
+        let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
+        let prepared = check_key(primary_namespace, secondary_namespace, key)
+            .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
+        let span = exec.span("remove", primary_namespace, secondary_namespace, key);
+        async move {
+            let ticket = prepared?;
+            let store = Arc::clone(&exec);
+            let work = async move { writes.mutate(&store, ticket, Mutation::Remove).await };
+            admitted(&exec, work.instrument(span)).await
+        }
+    }
+
+    /// Lists the keys of a namespace pair, in byte order; empty for an unknown namespace.
+    pub async fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> Result<Vec<String>> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let exec = &self.exec;
+        let span = exec.span("list", primary_namespace, secondary_namespace, "");
+        async {
+            let rows = exec
+                .query("list", &exec.statements.list, &[&primary_namespace, &secondary_namespace])
+                .await?;
+            Ok(rows.iter().map(|row| row.get(0)).collect())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// One page of a namespace pair's keys, newest-created first. Pass `None` for the first
+    /// page and then each page's `next_page_token`. Keys deleted between pages never make a
+    /// page repeat or skip a surviving key; keys created after the listing started are not
+    /// included in later pages.
+    pub async fn list_paginated(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        page_token: Option<PageToken>,
+    ) -> Result<Page> {
+        check_namespaces(primary_namespace, secondary_namespace)?;
+        let before: i64 = match &page_token {
+            None => i64::MAX,
+            Some(token) => token.0.parse().map_err(|_| Error::InvalidKey {
+                what: "page token",
+                value: token.0.clone(),
+                reason: "not a token returned by list_paginated",
+            })?,
+        };
+        let exec = &self.exec;
+        let span = exec.span("list_paginated", primary_namespace, secondary_namespace, "");
+        async {
+            let limit = exec.page_size as i64 + 1;
+            let rows = exec
+                .query(
+                    "list_paginated",
+                    &exec.statements.list_page,
+                    &[&primary_namespace, &secondary_namespace, &before, &limit],
+                )
+                .await?;
+            let more = rows.len() > exec.page_size;
+            let rows = &rows[..rows.len().min(exec.page_size)];
+            let next_page_token = match rows.last() {
+                Some(last) if more => Some(PageToken(last.get::<_, i64>(1).to_string())),
+                _ => None,
+            };
+            Ok(Page { keys: rows.iter().map(|row| row.get(0)).collect(), next_page_token })
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, in byte order.
+    pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
+        let exec = &self.exec;
+        let span = exec.span("list_all_keys", "", "", "");
+        async {
+            let rows = exec.query("list_all_keys", &exec.statements.list_all, &[]).await?;
+            Ok(rows.iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The lease epoch this store holds: the fencing token, strictly increasing with every
+    /// acquisition of the table's lease. Every row records the epoch that last wrote it.
+    pub fn fencing_token(&self) -> i64 {
+        self.exec.lease.epoch
+    }
+
+    /// This store's owner id in the lease row (unique per acquisition).
+    pub fn owner_id(&self) -> Uuid {
+        self.exec.lease.owner_id
+    }
+
+    /// The table, as configured.
+    pub fn table(&self) -> String {
+        self.exec.table.display()
+    }
+
+    /// Watches the lease: `Held` until it is lost (`Lost { reason }`, permanent) or given up
+    /// (`Released`; `Abandoned` when the store stopped but could not release it). Await `changed()`
+    /// on it to learn of a loss the moment it is known.
+    pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
+        self.exec.lease.subscribe()
+    }
+
+    /// The lease row as the database sees it now (holder, epoch, time left). It reads the
+    /// database whatever this store's state: after a loss it shows the new holder. After
+    /// `close()` it needs a pool that is still open (the store closes a pool it built itself).
+    pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
+        let client = self.exec.pool.get().await.map_err(Error::pool("read lease"))?;
+        schema::lease_info(&**client, &self.exec.statements).await
+    }
+
+    /// Closes the store: new operations get [`Error::Closed`] (including `write`/`remove`
+    /// futures created earlier but not yet polled); operations already running finish
+    /// (including mutations still waiting for their key's turn or for a shared statement),
+    /// waiting at most `drop_timeout` for them; renewal stops and the lease is released by
+    /// owner id (expired now; the epoch counter is kept), so another store can open at once.
+    /// Returns the release's result, or [`Error::Timeout`] if operations were still running
+    /// (those that need a connection after that get [`Error::Closed`]).
+    /// Closing again returns `Ok` once nothing runs any more (while operations still hang, it
+    /// waits `drop_timeout` for them too and returns `Timeout`).
+    ///
+    /// After a loss, the lost lease's row is released too, by owner id (a successor's lease is
+    /// never touched), if the renewal thread's own attempts have not done it yet; the result is
+    /// that release's: `Ok` when the row is released or was no longer this store's. The loss
+    /// itself was reported by the operations and [`PgKvStore::lease_state`]. Except under
+    /// [`crate::LeaseLossPolicy::Panic`] when renewal found the loss: the renewal thread ended
+    /// with its panic after a single attempt to release, and nothing releases the lease any
+    /// more (if that attempt failed, it expires by TTL), so `close()` returns
+    /// [`Error::LeaseLost`].
+    pub async fn close(&self) -> Result<()> {
+        self.exec.close().await
+    }
+
+    /// Starts an empty atomic batch of puts and removes; see [`Batch`].
+    pub fn batch(&self) -> Batch {
+        Batch::new(&self.exec, Arc::clone(&self.writes))
+    }
+}
+
+impl KvStore for PgKvStore {
+    fn read(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Vec<u8>>> + Send {
+        PgKvStore::read(self, primary_namespace, secondary_namespace, key)
+    }
+
+    fn write(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        PgKvStore::write(self, primary_namespace, secondary_namespace, key, value)
+    }
+
+    fn remove(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        lazy: bool,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        PgKvStore::remove(self, primary_namespace, secondary_namespace, key, lazy)
+    }
+
+    fn list(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+    ) -> impl Future<Output = Result<Vec<String>>> + Send {
+        PgKvStore::list(self, primary_namespace, secondary_namespace)
+    }
+}
+
+/// Tests that need the store's internals and a database.
+#[cfg(test)]
+mod db_tests {
+    use super::*;
+    use std::time::Duration;
+
+    use crate::error::LossReason;
+    use pgfence_testing::{Proxy, TestServer, unique_name};
+
+    /// After a loss found by an operation, the release is retried on a new connection when the
+    /// renewal thread's own one went silent (a proxy holds back all its traffic; new
+    /// connections get through): the lease is released within seconds, not at its expiry.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn release_after_a_loss_does_not_wait_on_a_silent_connection() {
+        let server = TestServer::shared().unwrap();
+        let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+        let t = unique_name("silentrelease");
+        let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+            .table(&t)
+            .lease_ttl(Duration::from_secs(30))
+            .renew_interval(Duration::from_secs(2))
+            .connect_timeout(Duration::from_secs(2))
+            .drop_timeout(Duration::from_secs(2))
+            .open()
+            .await
+            .unwrap();
+        let admin = server.connect().await.unwrap();
+        let renewal = "SELECT client_port FROM pg_stat_activity
+                        WHERE state = 'idle'
+                          AND query LIKE '%SET expires_at = clock_timestamp() + $2%'";
+        let port: i32 = loop {
+            if let Some(row) = admin.query_opt(renewal, &[]).await.unwrap() {
+                break row.get(0);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        proxy.stall(u16::try_from(port).unwrap());
+        let lost = store.exec.lease.fail(LossReason::WriteOutcomeUnknown);
+        assert!(lost.is_lease_lost(), "{lost:?}");
+        let held = format!("SELECT expires_at > clock_timestamp() FROM \"{t}_lease\"");
+        let started = std::time::Instant::now();
+        while admin.query_one(&held, &[]).await.unwrap().get::<_, bool>(0) {
+            let waited = started.elapsed();
+            assert!(waited < Duration::from_secs(15), "still held {waited:?} after the loss");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!("released {:?} after the loss", started.elapsed());
+    }
+}

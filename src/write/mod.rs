@@ -1,0 +1,73 @@
+//! The write path: per-key call order ([`ordering`]), statements shared by concurrent
+//! mutations ([`coalesce`]), atomic batches ([`batch`]), and the fenced statements they all end
+//! in ([`statement`]). A `write` goes: [`Writes::ticket`] when called, [`Writes::mutate`] when
+//! polled, then [`coalesce::Coalescer::apply`], [`statement::apply_alone`] and
+//! [`Executor::fenced`](crate::exec::Executor::fenced).
+
+pub(crate) mod batch;
+pub(crate) mod coalesce;
+pub(crate) mod ordering;
+pub(crate) mod statement;
+
+use std::sync::Arc;
+
+use crate::error::{Error, KeyPath, Result};
+use crate::exec::Executor;
+use coalesce::Coalescer;
+use ordering::{KeyOrder, Ticket};
+pub(crate) use statement::Mutation;
+
+/// The write path's state, shared by every handle of a store: the per-key order and the queue
+/// of mutations waiting to share a statement.
+#[derive(Debug)]
+pub(crate) struct Writes {
+    order: Arc<KeyOrder>,
+    coalescer: Coalescer,
+    max_value_size: usize,
+}
+
+impl Writes {
+    pub(crate) fn new(write_concurrency: usize, max_value_size: usize) -> Writes {
+        Writes {
+            order: Arc::new(KeyOrder::default()),
+            coalescer: Coalescer::new(write_concurrency),
+            max_value_size,
+        }
+    }
+
+    /// Takes the key's place in the per-key order: called synchronously, when `write`,
+    /// `remove` or `commit` is called, so the order is the order of the calls.
+    pub(crate) fn ticket(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Ticket {
+        self.order.ticket(KeyPath::new(primary_namespace, secondary_namespace, key))
+    }
+
+    pub(crate) fn check_value(&self, value: &[u8]) -> Result<()> {
+        if value.len() > self.max_value_size {
+            return Err(Error::ValueTooLarge { len: value.len(), max: self.max_value_size });
+        }
+        Ok(())
+    }
+
+    /// Runs one fenced mutation in its key's turn (see [`coalesce`]).
+    pub(crate) async fn mutate(
+        &self,
+        exec: &Executor,
+        ticket: Ticket,
+        mutation: Mutation,
+    ) -> Result<()> {
+        let Some(turn) = ticket.turn().await else {
+            // A later call to this key is already committed: nothing to write. But a store
+            // that has lost its lease still fails, as every key operation (and an all-superseded
+            // batch) does: `Ok` would vouch for a key a successor may have overwritten since.
+            return exec.lease.check();
+        };
+        self.coalescer.apply(exec, ticket.path(), mutation).await?;
+        turn.applied();
+        Ok(())
+    }
+}
