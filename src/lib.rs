@@ -1,6 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
-#![deny(rustdoc::broken_intra_doc_links)]
+#![deny(rust_2018_idioms, rustdoc::broken_intra_doc_links)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, clippy::future_not_send)]
 
 mod batch;

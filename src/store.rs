@@ -651,7 +651,7 @@ impl Inner {
         loop {
             self.lease.check()?;
             let mut sent_to: Option<Backend> = None;
-            let mut pending: Option<OutcomePending> = None;
+            let mut pending: Option<OutcomePending<'_>> = None;
             let attempt = async {
                 let client = self.pool.get().await.map_err(|e| self.pool_error(operation, e))?;
                 let client = Checkout(Some(client));
