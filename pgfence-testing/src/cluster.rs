@@ -208,7 +208,8 @@ impl TestCluster {
         self.cluster.tcp_addr()
     }
 
-    /// [`TestCluster::config`], but connecting to `addr` instead, e.g. a [`Proxy::addr`].
+    /// [`TestCluster::config`], but connecting to `addr` instead, e.g. a
+    /// [`Proxy::addr`](crate::Proxy::addr).
     pub fn config_via(&self, addr: SocketAddr) -> Config {
         redirect(&self.config(), addr)
     }

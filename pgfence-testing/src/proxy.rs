@@ -28,8 +28,9 @@ use tokio::task::AbortHandle;
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
 /// `#[tokio::test]` runtimes do). Delays are timed by one thread of the proxy's own (for
-/// sub-millisecond accuracy; tokio timers tick in milliseconds). Dropping the proxy aborts the tasks and stops and joins that thread:
-/// nothing keeps running, and every proxied connection is closed.
+/// sub-millisecond accuracy; tokio timers tick in milliseconds). Dropping the proxy aborts the
+/// tasks and stops and joins that thread: nothing keeps running, and every proxied connection is
+/// closed.
 #[derive(Debug)]
 pub struct Proxy {
     addr: SocketAddr,

@@ -133,7 +133,7 @@ impl TestServer {
         }
     }
 
-    /// The server's TCP address, e.g. as the upstream of a [`Proxy`].
+    /// The server's TCP address, e.g. as the upstream of a [`Proxy`](crate::Proxy).
     ///
     /// For `DATABASE_URL`, the first host is resolved (blocking); a Unix socket host is an
     /// error.
@@ -144,7 +144,8 @@ impl TestServer {
         }
     }
 
-    /// [`TestServer::config`], but connecting to `addr` instead, e.g. a [`Proxy::addr`].
+    /// [`TestServer::config`], but connecting to `addr` instead, e.g. a
+    /// [`Proxy::addr`](crate::Proxy::addr).
     pub fn config_via(&self, addr: SocketAddr) -> Config {
         redirect(&self.config(), addr)
     }
@@ -164,8 +165,8 @@ impl TestServer {
     }
 
     /// Creates database `name` and returns [`TestServer::config`] pointed at it. Use a
-    /// [`unique_name`]; nothing drops the database afterwards (a private cluster is deleted
-    /// whole).
+    /// [`unique_name`](crate::unique_name); nothing drops the database afterwards (a private
+    /// cluster is deleted whole).
     pub async fn create_database(&self, name: &str) -> Result<Config, tokio_postgres::Error> {
         let client = self.connect().await?;
         client.batch_execute(&format!("CREATE DATABASE {}", quote_ident(name))).await?;
@@ -174,7 +175,8 @@ impl TestServer {
         Ok(config)
     }
 
-    /// Makes sure [`PASSWORD_ROLE`] exists with the password [`PASSWORD_ROLE_PASSWORD`].
+    /// Makes sure [`PASSWORD_ROLE`] exists with the password
+    /// [`PASSWORD_ROLE_PASSWORD`](crate::PASSWORD_ROLE_PASSWORD).
     ///
     /// A private cluster creates it at start, so this does nothing there. On a `DATABASE_URL`
     /// server it creates the role or resets its password; whether a wrong password is then
