@@ -401,11 +401,9 @@ impl tracing::field::Visit for EventText {
     }
 }
 
-/// The standby's warnings (every `pgfence::failover` warning but the force release's).
+/// The standby's warnings.
 fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
-    event.target() == "pgfence::failover"
-        && *event.level() == tracing::Level::WARN
-        && event.fields().field("holder").is_none()
+    event.target() == "pgfence::standby" && *event.level() == tracing::Level::WARN
 }
 
 /// The library's events that the CLI reports itself, which would otherwise say the same thing
@@ -417,7 +415,7 @@ fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
     match event.target() {
         "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
-        "pgfence::failover" => *event.level() == tracing::Level::WARN,
+        "pgfence::standby" | "pgfence::inspect" => *event.level() == tracing::Level::WARN,
         _ => false,
     }
 }
