@@ -40,7 +40,8 @@ pub(crate) const SETUP_TIMEOUTS: &str =
 /// Next in the setup transaction: the server ends the session if it is left idle in the
 /// transaction for one TTL (`$1`, in milliseconds, as text).
 ///
-/// Its client may be paused, or gone without a trace, cut off by a partition (see
+/// Its client may be paused, or gone without a trace, cut off by a partition. The server
+/// notices a vanished client only through TCP keepalives, after hours by default (see
 /// docs/design.md, section "A partition"). Meanwhile the session would hold the setup lock,
 /// which every `open()` of the table waits for. Once it has taken the lease, it would hold the
 /// lease row too. So it holds up a failover at most about one TTL, as a holder cut off does.
