@@ -123,7 +123,8 @@ impl Executor {
     /// # A connection that broke after a mutation was sent
     ///
     /// The mutation's outcome is unknown. Worse, its server process may still be running it.
-    /// The statement can then commit later, after a retry and after a later call of the same
+    /// PostgreSQL notices a vanished client only when it next writes to the socket. So the
+    /// statement can commit later, after a retry and after a later call of the same
     /// key. So before retrying, the old server process is terminated and awaited. Once it is
     /// gone, its transaction is decided. The retry writes the same value under the same key
     /// turns, and lands after it. If that cannot be confirmed, the store fails closed rather
@@ -134,7 +135,9 @@ impl Executor {
     ///
     /// The renewal thread reports the deadline within about a second. The attempt is then
     /// abandoned, and its connection closed rather than handed back to the pool. The store
-    /// fails closed (`DeadlinePassed`), and the caller learns that at once. See docs/design.md,
+    /// fails closed (`DeadlinePassed`), and the caller learns that at once. That holds whether
+    /// the server is hung or the network holds the connection open without passing data. See
+    /// docs/design.md,
     /// section "A server that stops answering". A mutation already sent gets `LeaseLost`. It
     /// does even if `close()` released the lease right after the deadline was seen.
     ///

@@ -136,8 +136,8 @@ pub(crate) async fn setup_and_acquire(
 #[derive(Debug)]
 pub(crate) struct SetupFailed {
     pub(crate) error: Error,
-    /// The commit was sent and no answer came (the connection broke, or the caller stopped
-    /// waiting for it): it may have taken the lease on the server all the same.
+    /// The commit was sent and no answer came: the connection broke, or the caller stopped
+    /// waiting for it. It may have taken the lease on the server all the same.
     pub(crate) commit_unanswered: bool,
 }
 

@@ -95,10 +95,12 @@ impl Standby {
         self.open_until(std::future::pending()).await?.ok_or(Error::Closed)
     }
 
-    /// [`Standby::open`], given up when `stop` completes first: `Ok(None)`, returned once an
-    /// attempt in progress is cancelled (see [`Builder::open_until`]), so nothing of the
-    /// standby is left running and the runtime may shut down right after. The
-    /// [`Standby::timeout`] gives up the same way, with [`Error::Timeout`].
+    /// [`Standby::open`], given up when `stop` completes first.
+    ///
+    /// It then returns `Ok(None)`, once an attempt in progress is cancelled (see
+    /// [`Builder::open_until`]). So nothing of the standby is left running, and the runtime may
+    /// shut down right after. The [`Standby::timeout`] gives up the same way, with
+    /// [`Error::Timeout`].
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.builder.validate()?;
         let timed_out = AtomicBool::new(false);
