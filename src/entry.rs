@@ -38,8 +38,9 @@ impl Builder {
     /// That cancellation runs on in the background, on the current runtime. To give up and
     /// know it is done, before the runtime shuts down say, use [`Builder::open_until`].
     ///
-    /// A silent server is one that stopped answering with its connection still up: see
-    /// docs/design.md, section "A server that stops answering".
+    /// A silent server is one that stopped answering with its connection still up. See
+    /// [A server that stops answering](https://github.com/pgfence/pgfence/blob/main/docs/design.md#a-server-that-stops-answering)
+    /// in docs/design.md.
     pub async fn open(self) -> Result<PgKvStore> {
         store::open::open(self).await
     }
