@@ -182,7 +182,8 @@ impl PgKvStore {
     /// the space in the value. A `post_create` hook that runs `SET SESSION CHARACTERISTICS AS
     /// TRANSACTION ISOLATION LEVEL READ COMMITTED` passes the check too. But
     /// `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL` undoes it. See
-    /// [Isolation](https://github.com/pgfence/pgfence/blob/main/docs/design.md#isolation) in docs/design.md.
+    /// [Isolation](https://github.com/pgfence/pgfence/blob/main/docs/design.md#isolation)
+    /// in docs/design.md.
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
     }
