@@ -1,22 +1,27 @@
 //! A synchronous facade over the async store, for applications without an async runtime, in
 //! the way the `postgres` crate wraps `tokio-postgres`.
 //!
-//! [`PgKvStore`] owns a small multi-thread tokio runtime of its own ("pgfence-io" threads). Every
-//! call spawns the async store's operation on that runtime and waits for its result on a plain
-//! `std` channel, so it works wherever it is called from: a thread without any runtime, a task
-//! of a multi-thread runtime, or the only thread of a current-thread runtime. It never calls
-//! `block_on` on the caller's runtime and never needs that runtime to make progress: the store
-//! is opened on the facade's runtime, so every pooled connection's I/O task runs there, and the
-//! lease renewal runs on a thread of its own. Blocking a current-thread runtime on its own I/O,
-//! the classic deadlock of sync-over-async facades, cannot happen (unless the store is built on
-//! a pool whose connections the caller's runtime created: see [`PgKvStore::open`]).
+//! [`PgKvStore`] owns a small multi-thread tokio runtime of its own ("pgfence-io" threads).
+//! Every call spawns the async store's operation on that runtime. It waits for the result on a
+//! plain `std` channel. So it works wherever it is called from:
 //!
-//! A call blocks the calling thread until the operation finishes. Inside async code that is
-//! what a synchronous API means; prefer the async store there when you can.
+//! - a thread without any runtime;
+//! - a task of a multi-thread runtime;
+//! - the only thread of a current-thread runtime.
+//!
+//! It never calls `block_on` on the caller's runtime, and never needs that runtime to make
+//! progress. The store is opened on the facade's runtime, so every pooled connection's I/O task
+//! runs there. The lease renewal runs on a thread of its own. So a current-thread runtime never
+//! blocks on its own I/O, the classic deadlock of sync-over-async facades. The exception is a
+//! store built on a pool whose connections the caller's runtime created: see
+//! [`PgKvStore::open`].
+//!
+//! A call blocks the calling thread until the operation finishes. Inside async code, that is
+//! what a synchronous API means. Prefer the async store there when you can.
 //!
 //! The guarantees and errors are those of [`crate::PgKvStore`]: fencing, per-key call order,
 //! durability of `Ok`, fail closed with [`Error::LeaseLost`], release on close or drop. Under
-//! [`crate::LeaseLossPolicy::Panic`] the panic is raised in the thread that made the call.
+//! [`crate::LeaseLossPolicy::Panic`], the panic is raised in the thread that made the call.
 //!
 //! ```no_run
 //! use pgfence::PgKvStore;
@@ -58,14 +63,15 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Open it with [`PgKvStore::open`] (or [`Builder::open_blocking`]) from any thread, inside or
 /// outside an async runtime. Cloning is cheap and shares one store (one lease) and one runtime.
 ///
-/// Every method blocks the calling thread until the store's async operation, run on the
-/// facade's own runtime, has finished. Writes and removes take their place in the key's order
-/// when they are called, like the async store's, so calls made from several threads to the same
-/// key take effect in the order they were made, and `Ok` means committed under this store's
-/// lease.
+/// Every method blocks the calling thread until the store's async operation has finished. That
+/// operation runs on the facade's own runtime.
 ///
-/// Dropping the last handle releases the lease (waiting at most the builder's `drop_timeout`)
-/// and shuts the runtime down; it never panics, in any context.
+/// Writes and removes take their place in the key's order when they are called, like the async
+/// store's. So calls made from several threads to the same key take effect in the order they
+/// were made. `Ok` means committed under this store's lease.
+///
+/// Dropping the last handle releases the lease, waiting at most the builder's `drop_timeout`.
+/// It then shuts the runtime down. It never panics, in any context.
 #[derive(Debug, Clone)]
 pub struct PgKvStore {
     /// The async store, opened on `io`. Dropped before `io` (declaration order), so the lease
@@ -75,22 +81,24 @@ pub struct PgKvStore {
 }
 
 impl PgKvStore {
-    /// Opens a store from an async [`Builder`] (see [`Builder::open`]: options are checked,
-    /// the schema is created or migrated and the lease taken, in one transaction), on a new
-    /// runtime of the facade's own. Fails with [`Error::LeaseHeld`] while another live store
-    /// holds the lease.
+    /// Opens a store from an async [`Builder`], on a new runtime of the facade's own.
     ///
-    /// With [`crate::PgKvStore::builder_from_pool`], hand over a pool nothing else uses: a
-    /// connection is driven by the runtime that created it, and the facade creates its own
-    /// on its runtime, but connections your code created on your runtime would stall (a
-    /// current-thread runtime: deadlock) while a blocking call holds that runtime's thread.
+    /// As in [`Builder::open`], the options are checked, and the schema is created or migrated
+    /// and the lease taken in one transaction. It fails with [`Error::LeaseHeld`] while another
+    /// live store holds the lease.
+    ///
+    /// With [`crate::PgKvStore::builder_from_pool`], hand over a pool nothing else uses. A
+    /// connection is driven by the runtime that created it. The facade creates its own
+    /// connections on its runtime. But connections your code created on your runtime would
+    /// stall while a blocking call holds that runtime's thread. On a current-thread runtime
+    /// that is a deadlock.
     pub fn open(builder: Builder) -> Result<PgKvStore> {
         PgKvStore::open_with(crate::store::open::open(builder))
     }
 
     /// Waits as a standby until the lease can be taken, then opens the store (see
-    /// [`Standby`]); blocks the calling thread meanwhile. `builder.standby().timeout(..)` bounds
-    /// the wait.
+    /// [`Standby`]). It blocks the calling thread meanwhile. `builder.standby().timeout(..)`
+    /// bounds the wait.
     pub fn open_standby(standby: Standby) -> Result<PgKvStore> {
         PgKvStore::open_with(standby.open())
     }
@@ -105,12 +113,14 @@ impl PgKvStore {
         Ok(PgKvStore { store, io })
     }
 
-    /// Like [`PgKvStore::open_with`], without blocking the caller: the returned future may be
-    /// awaited on any runtime. `open` gets a future that completes when the returned future is
-    /// dropped (an `open_until`'s `stop`), so dropping it cancels the opening (and stops a
-    /// waiting standby). The opening runs to its end all the same, keeping the facade's runtime
-    /// alive until the cancellation is done: a setup waiting on the server is cancelled there,
-    /// not left waiting by a runtime shut down under it.
+    /// Like [`PgKvStore::open_with`], without blocking the caller. The returned future may be
+    /// awaited on any runtime.
+    ///
+    /// `open` gets a future that completes when the returned future is dropped: an
+    /// `open_until`'s `stop`. So dropping it cancels the opening and stops a waiting standby.
+    /// The opening runs to its end all the same. It keeps the facade's runtime alive until the
+    /// cancellation is done. So a setup waiting on the server is cancelled there, not left
+    /// waiting by a runtime shut down under it.
     #[cfg(feature = "ldk")]
     pub(crate) async fn open_with_async<F>(
         open: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> F,
@@ -172,8 +182,8 @@ impl PgKvStore {
     }
 
     /// Applies an atomic batch built with [`PgKvStore::batch`]: all or nothing, one fence
-    /// check, one statement. Every key's place in its order is taken in this call, as
-    /// [`crate::Batch::commit`] does. `Ok` means committed under this store's lease.
+    /// check, one statement. Every key's place in its order is taken in this call, as in
+    /// [`crate::Batch::commit`]. `Ok` means committed under this store's lease.
     pub fn commit(&self, batch: crate::Batch) -> Result<()> {
         self.io.block_on(batch.commit())
     }
@@ -226,20 +236,24 @@ impl PgKvStore {
         self.store.lease_state()
     }
 
-    /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit), and
-    /// returns the lease state then: [`LeaseState::Lost`], [`LeaseState::Released`] or
-    /// [`LeaseState::Abandoned`] if the lease ended, [`LeaseState::Held`] on timeout. For a
-    /// watchdog thread, take a [`PgKvStore::lease_watch`] instead: a store handle kept by the
-    /// watchdog would keep the lease alive after the application dropped its own.
+    /// Blocks while the lease is held, at most `timeout` (`Duration::MAX`: no limit). It
+    /// returns the lease state then:
+    ///
+    /// - [`LeaseState::Lost`], [`LeaseState::Released`] or [`LeaseState::Abandoned`] if the
+    ///   lease ended;
+    /// - [`LeaseState::Held`] on timeout.
+    ///
+    /// For a watchdog thread, take a [`PgKvStore::lease_watch`] instead. A store handle kept by
+    /// the watchdog would keep the lease alive after the application dropped its own.
     pub fn wait_while_held(&self, timeout: Duration) -> LeaseState {
         self.lease_watch().wait_while_held(timeout)
     }
 
     /// A watcher of the lease that holds no store: a watchdog thread takes one, waits in
     /// [`LeaseWatch::wait_while_held`], and stops the application when the lease leaves `Held`.
-    /// Unlike a store handle, it does not keep the lease alive: when the application drops its
-    /// last handle, the lease is released and the watchdog sees `Released` (`Abandoned` if the
-    /// release failed).
+    /// Unlike a store handle, it does not keep the lease alive. When the application drops its
+    /// last handle, the lease is released. The watchdog then sees `Released`, or `Abandoned` if
+    /// the release failed.
     pub fn lease_watch(&self) -> LeaseWatch {
         LeaseWatch(self.store.lease_state())
     }
@@ -250,9 +264,10 @@ impl PgKvStore {
         self.io.block_on(async move { store.lease_info().await })
     }
 
-    /// Closes the store, as [`crate::PgKvStore::close`]: new operations get [`Error::Closed`],
-    /// started ones get up to `drop_timeout` to finish, and the lease is released. Returns the
-    /// release's result, or [`Error::Timeout`] if operations were still running.
+    /// Closes the store, as [`crate::PgKvStore::close`] does. New operations get
+    /// [`Error::Closed`]. Started ones get up to `drop_timeout` to finish. Then the lease is
+    /// released. It returns the release's result, or [`Error::Timeout`] if operations were still
+    /// running.
     pub fn close(&self) -> Result<()> {
         let store = self.store.clone();
         self.io.block_on(async move { store.close().await })
@@ -271,10 +286,13 @@ impl LeaseWatch {
     }
 
     /// Blocks the calling thread while the lease is held, at most `timeout` (`Duration::MAX`:
-    /// no limit), and returns the state then: [`LeaseState::Lost`], [`LeaseState::Released`]
-    /// or [`LeaseState::Abandoned`] if the lease ended (a store that is gone published one of
-    /// them), [`LeaseState::Held`] on timeout. Needs no runtime: the thread parks until the
-    /// state changes.
+    /// no limit). It returns the state then:
+    ///
+    /// - [`LeaseState::Lost`], [`LeaseState::Released`] or [`LeaseState::Abandoned`] if the
+    ///   lease ended; a store that is gone published one of them;
+    /// - [`LeaseState::Held`] on timeout.
+    ///
+    /// It needs no runtime: the thread parks until the state changes.
     pub fn wait_while_held(&mut self, timeout: Duration) -> LeaseState {
         let until = Instant::now().checked_add(timeout);
         let waker = Waker::from(Arc::new(Unpark(thread::current())));
@@ -356,10 +374,10 @@ impl IoRuntime {
         }
     }
 
-    /// Spawns `future` on this runtime now and returns a future of its output that may be
+    /// Spawns `future` on this runtime now. It returns a future of its output that may be
     /// awaited on any runtime or executor. The work runs to the end even if the returned future
-    /// is dropped, and keeps the runtime alive until then (as the async store's mutation
-    /// futures keep the lease alive). A panic of the operation is resumed in the awaiting task.
+    /// is dropped. It keeps the runtime alive until then, as the async store's mutation futures
+    /// keep the lease alive. A panic of the operation is resumed in the awaiting task.
     #[cfg(feature = "ldk")]
     pub(crate) fn spawn<T: Send + 'static>(
         self: &Arc<Self>,
@@ -385,10 +403,10 @@ impl IoRuntime {
 }
 
 impl Drop for IoRuntime {
-    /// Dropping a tokio runtime inside an async context panics, and waiting for its threads
-    /// there would block a runtime thread (possibly one of this very runtime, when the last
-    /// reference goes with a finished task). So: inside any runtime, shut down in the
-    /// background; elsewhere, wait a bounded time for the threads to exit.
+    /// Dropping a tokio runtime inside an async context panics. Waiting for its threads there
+    /// would block a runtime thread. That may be a thread of this very runtime, when the last
+    /// reference goes with a finished task. So inside any runtime, it shuts down in the
+    /// background. Elsewhere, it waits a bounded time for the threads to exit.
     fn drop(&mut self) {
         if let Some(runtime) = self.runtime.take() {
             if tokio::runtime::Handle::try_current().is_ok() {

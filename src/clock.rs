@@ -3,10 +3,12 @@
 use std::time::Duration;
 
 /// The clock of the local deadline: time since boot, counting time the machine spent suspended
-/// (Linux `CLOCK_BOOTTIME`). std's monotonic clock stops during a suspend, so a resumed laptop
-/// or VM would trust a lease that expired long ago; the wall clock counts the suspend but can
-/// be stepped (NTP), which would fail a healthy lease or extend a lost one. Elsewhere than
-/// Linux, the monotonic clock.
+/// (Linux `CLOCK_BOOTTIME`).
+///
+/// std's monotonic clock stops during a suspend. A resumed laptop or VM would then trust a
+/// lease that expired long ago. The wall clock counts the suspend, but NTP can step it. That
+/// would fail a healthy lease or extend a lost one. Elsewhere than Linux, this is the monotonic
+/// clock.
 pub(crate) fn clock() -> Duration {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {

@@ -1,7 +1,8 @@
-//! Where a configuration becomes a store: every opener of [`Builder`], in one place. The
-//! [`Builder`] type, its setters and its checks are in [`crate::config`]; these openers sit
-//! above everything they open (a store, a standby, an inspector, a blocking store), so that
-//! the modules below read the options without depending on this one.
+//! Where a configuration becomes a store: every opener of [`Builder`], in one place.
+//!
+//! The [`Builder`] type, its setters and its checks are in [`crate::config`]. These openers sit
+//! above everything they open: a store, a standby, an inspector, a blocking store. So the
+//! modules below read the options without depending on this one.
 
 use std::future::Future;
 
@@ -18,38 +19,57 @@ impl Builder {
     /// nothing) while another live store holds the lease. Creates the database if it does not
     /// exist and the role may.
     ///
-    /// A table that never had planner statistics gets them (`ANALYZE`) once the lease is
-    /// taken, as the last step; best effort: held up for longer than one TTL (by a lock, or a
-    /// server that stopped answering), it is given up and the store returned without them.
+    /// As its last step, `open()` gathers planner statistics (`ANALYZE`) for a table that never
+    /// had them. This is best effort. If a lock or a silent server holds it up for more than
+    /// one TTL, the store is returned without them.
     ///
-    /// Dropping the returned future cancels the setup if it is still waiting (for the setup
-    /// lock of a concurrent `open()`, at the fence for the old holder's in-flight writes, or for
-    /// a server that stopped answering): nothing is committed and the lease is never taken
-    /// later. If the commit was sent and not yet answered, that setup's server process is
-    /// ended and the lease released by its owner id, in case the commit took it (within
-    /// `connect_timeout`; otherwise it expires by its TTL). A store already opened (gathering
-    /// statistics) is closed, which releases the lease. A connection left waiting for an
-    /// answer is closed, never handed back to a pool. That cancellation runs on in the
-    /// background, on the current runtime; to give up and know it is done (before the runtime
-    /// shuts down, say), use [`Builder::open_until`].
+    /// # Cancellation
+    ///
+    /// Dropping the returned future cancels a setup that is still waiting. It may wait for the
+    /// setup lock of a concurrent `open()`, at the fence for the old holder's in-flight writes,
+    /// or for a silent server. Nothing is committed then, and the lease is never taken later.
+    ///
+    /// - If the commit was sent and not yet answered, that setup's server process is ended.
+    ///   The lease is then released by its owner id, in case the commit took it.
+    /// - That release is given up after `connect_timeout`; the lease then expires by its TTL.
+    /// - A store already opened (gathering statistics) is closed, which releases the lease.
+    /// - A connection left waiting for an answer is closed, never handed back to a pool.
+    ///
+    /// That cancellation runs on in the background, on the current runtime. To give up and
+    /// know it is done, before the runtime shuts down say, use [`Builder::open_until`].
+    ///
+    /// A silent server is one that stopped answering with its connection still up. See
+    /// [A server that stops answering](https://github.com/pgfence/pgfence/blob/main/docs/design.md#a-server-that-stops-answering)
+    /// in docs/design.md.
     pub async fn open(self) -> Result<PgKvStore> {
         store::open::open(self).await
     }
 
-    /// [`Builder::open`], given up when `stop` completes first, as when its future is dropped:
-    /// a setup still waiting is cancelled (nothing committed, the lease never taken later), a
-    /// commit sent and unanswered is ended and its lease released, a store already opened is
-    /// closed. `Ok(None)` then, returned only once all that is done (the server has received
-    /// the cancel request, and acts on it at once): nothing of this opening is left running on
-    /// the runtime, nor waiting on the server, so the runtime may shut down right after (at
-    /// process exit, say). Against a server that stopped answering, it returns as promptly:
-    /// the connection waiting for it is closed (its task aborted; the server, if it ever
-    /// answers again, rolls back what was not committed), a cancel request that cannot be
-    /// delivered (over TLS it needs the server's answer) is given up after `connect_timeout`,
-    /// and so is the release of a commit that gets no answer (the lease, if the commit took
-    /// it, then expires by its TTL); closing a store already opened waits up to
-    /// `drop_timeout` for its release, as [`PgKvStore::close`] does. `stop` is, for example, a
-    /// signal, a shutdown channel or a timer.
+    /// [`Builder::open`], given up when `stop` completes first.
+    ///
+    /// `stop` is, for example, a signal, a shutdown channel or a timer. Giving up does what
+    /// dropping the `open()` future does (see [`Builder::open`], "Cancellation"):
+    ///
+    /// - A setup still waiting is cancelled: nothing is committed, and the lease is never
+    ///   taken later.
+    /// - A commit sent and unanswered is ended, and its lease released.
+    /// - A store already opened is closed.
+    ///
+    /// It returns `Ok(None)` only once all that is done, and the server has received the cancel
+    /// request. The server acts on that request at once. Nothing of this opening is left
+    /// running on the runtime or waiting on the server. So the runtime may shut down right
+    /// after, at process exit say.
+    ///
+    /// It returns as promptly from a server that stopped answering:
+    ///
+    /// - The connection waiting for it is closed and its task aborted. If the server ever
+    ///   answers again, it rolls back what was not committed.
+    /// - A cancel request that cannot be delivered is given up after `connect_timeout`. Over
+    ///   TLS, delivering it needs the server's answer.
+    /// - So is the release of a commit that gets no answer. If that commit took the lease, the
+    ///   lease then expires by its TTL.
+    /// - Closing a store already opened waits up to `drop_timeout` for its release, as
+    ///   [`PgKvStore::close`] does.
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         store::open::open_until(self, stop).await
     }

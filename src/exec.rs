@@ -1,6 +1,8 @@
-//! The statement executor: admits operations, runs each statement with retries on a fresh
-//! connection, and fails closed when an outcome cannot be known. Every key operation of
-//! [`crate::PgKvStore`] ends here; the SQL it runs comes from [`crate::sql`].
+//! The statement executor: it admits operations and runs each statement.
+//!
+//! It retries a statement on a fresh connection, and fails closed when an outcome cannot be
+//! known. Every key operation of [`crate::PgKvStore`] ends here. The SQL it runs comes from
+//! [`crate::sql`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,10 +44,12 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    /// What the caller of a mutation gets if the task running it is dropped unfinished (its
-    /// runtime shut down): the lease's loss if a statement was left with an unknown outcome
-    /// (see [`OutcomePending`]; after a release, `LeaseLost` with `WriteOutcomeUnknown` all the
-    /// same), `Closed` otherwise.
+    /// What the caller of a mutation gets if the task running it is dropped unfinished, when
+    /// its runtime shut down, say.
+    ///
+    /// It is the lease's loss if a statement was left with an unknown outcome (see
+    /// [`OutcomePending`]). After a release, that is `LeaseLost` with `WriteOutcomeUnknown` all
+    /// the same. Otherwise it is `Closed`.
     pub(crate) fn abandoned(&self) -> impl FnOnce() -> Error + Send + 'static + use<> {
         let lease = Arc::clone(&self.lease);
         move || match lease.check() {
@@ -73,8 +77,9 @@ impl Executor {
         )
     }
 
-    /// Admits an operation, at once (never waiting): [`Error::Closed`] once `close()` has
-    /// begun; otherwise the guard, held until the operation ends, makes `close()` wait for it.
+    /// Admits an operation at once, never waiting. It fails with [`Error::Closed`] once
+    /// `close()` has begun. Otherwise it returns a guard, held until the operation ends, that
+    /// makes `close()` wait for it.
     /// A mutation is admitted when its future is first polled, before it waits for its key's
     /// turn or a shared statement.
     pub(crate) fn admit(&self) -> Result<OwnedRwLockReadGuard<()>> {
@@ -115,30 +120,35 @@ impl Executor {
     /// connection or an unavailable server is retried on a fresh connection, with backoff,
     /// while the lease is locally valid and for at most `retry_for`.
     ///
-    /// For a mutation, a connection that broke after the statement was sent leaves its outcome
-    /// unknown, and worse, its server process may still be running it: PostgreSQL notices a
-    /// vanished client only when it next writes to the socket, so the statement can commit
-    /// later, after a retry and after a later call of the same key. So before retrying, the
-    /// old server process is terminated and awaited: once it is gone its transaction is
-    /// decided, and the retry (which writes the same value, under the same key turns) lands
-    /// after it. If that cannot be confirmed, the store fails closed rather than risk a later
-    /// call being overwritten.
+    /// # A connection that broke after a mutation was sent
     ///
-    /// An attempt still unanswered at the local deadline (as the renewal thread reports it,
-    /// within about a second) is abandoned: the store fails closed
-    /// (`DeadlinePassed`) and the caller learns that at once, whether the server is hung or
-    /// the network holds the connection open without passing data (a mutation sent gets
-    /// `LeaseLost` even if `close()` released the lease right after the deadline was seen);
-    /// the connection is closed rather than handed back to the pool.
+    /// The mutation's outcome is unknown. Worse, its server process may still be running it.
+    /// PostgreSQL notices a vanished client only when it next writes to the socket. So the
+    /// statement can commit later, after a retry and after a later call of the same
+    /// key. So before retrying, the old server process is terminated and awaited. Once it is
+    /// gone, its transaction is decided. The retry writes the same value under the same key
+    /// turns, and lands after it. If that cannot be confirmed, the store fails closed rather
+    /// than risk a later call being overwritten. See docs/design.md, section "A broken
+    /// connection mid-write".
     ///
-    /// A mutation that ends in an error after such an attempt may have committed all the same.
-    /// Its callers' turns would then be released as not applied, and an earlier call of the
-    /// same key could run and overwrite the committed value; so the store fails closed
-    /// (`WriteOutcomeUnknown`) instead of returning that error. So it does if the mutation's
-    /// task is dropped (its runtime shut down) after such an attempt and before a retry was
-    /// answered, between attempts included. If the store was closed meanwhile (`close()` gave
-    /// up waiting and released the lease), the caller gets `LeaseLost` (`WriteOutcomeUnknown`)
-    /// too, not `Closed`, which would read as "not written".
+    /// # An attempt unanswered at the local deadline
+    ///
+    /// The renewal thread reports the deadline within about a second. The attempt is then
+    /// abandoned, and its connection closed rather than handed back to the pool. The store
+    /// fails closed (`DeadlinePassed`), and the caller learns that at once. That holds whether
+    /// the server is hung or the network holds the connection open without passing data. See
+    /// docs/design.md,
+    /// section "A server that stops answering". A mutation already sent gets `LeaseLost`. It
+    /// does even if `close()` released the lease right after the deadline was seen.
+    ///
+    /// # An error after an attempt that may have committed
+    ///
+    /// Its callers' turns would be released as not applied. An earlier call of the same key
+    /// could then run and overwrite the committed value. So the store fails closed
+    /// (`WriteOutcomeUnknown`) instead of returning that error. It does too if the mutation's
+    /// task is dropped before a retry was answered, between attempts included. If `close()`
+    /// gave up waiting and released the lease meanwhile, the caller still gets `LeaseLost`
+    /// (`WriteOutcomeUnknown`). `Closed` would read as "not written".
     async fn run(
         &self,
         operation: &'static str,
@@ -259,10 +269,11 @@ impl Executor {
         }
     }
 
-    /// A pool's error, but `Closed` when the pool is closed because the store is: `close()`
-    /// closes the store's own pool once it stops waiting for running operations, and one that
-    /// needs a connection after that (a write still queued for a statement, say) was closed
-    /// over, as the caller should read it, not failed by the pool.
+    /// A pool's error, but `Closed` when the pool is closed because the store is.
+    ///
+    /// `close()` closes the store's own pool once it stops waiting for running operations. An
+    /// operation that needs a connection after that was closed over, not failed by the pool. A
+    /// write still queued for a statement is an example.
     fn pool_error(&self, operation: &'static str, e: deadpool_postgres::PoolError) -> Error {
         match e {
             deadpool_postgres::PoolError::Closed if self.closed.load(Ordering::SeqCst) => {
@@ -410,8 +421,10 @@ pub(crate) struct Backend {
     pub(crate) started: SystemTime,
 }
 
-/// Runs a mutation admitted when its future is first polled ([`Executor::admit`]) in a task of
-/// its own ([`detached`]), holding its admission until it ends, so `close()` waits for it.
+/// Runs a mutation in a task of its own ([`detached`]).
+///
+/// The mutation is admitted when its future is first polled ([`Executor::admit`]). It holds
+/// its admission until it ends, so `close()` waits for it.
 pub(crate) async fn admitted<T: Send + 'static>(
     exec: &Executor,
     work: impl Future<Output = Result<T>> + Send + 'static,
@@ -428,13 +441,18 @@ pub(crate) async fn admitted<T: Send + 'static>(
     .await
 }
 
-/// Runs work as a task of its own and waits for it. Dropping the caller's future then cannot
-/// interrupt the work halfway: a mutation keeps its key's turn until its statement is over
-/// (otherwise a later call of the key could run first and be overwritten by the orphaned
-/// statement), and an `open()` that has committed its lease still starts renewal (the store is
-/// then dropped, which releases the lease). A panic in the task (`LeaseLossPolicy::Panic`) is
-/// resumed in the caller. If the task is dropped unfinished (its runtime shut down while the
-/// caller waits from elsewhere), the caller gets `abandoned()`.
+/// Runs work as a task of its own and waits for it.
+///
+/// Dropping the caller's future then cannot interrupt the work halfway:
+///
+/// - A mutation keeps its key's turn until its statement is over. Otherwise a later call of
+///   the key could run first and be overwritten by the orphaned statement.
+/// - An `open()` that has committed its lease still starts renewal. The store is then dropped,
+///   which releases the lease.
+///
+/// A panic in the task (`LeaseLossPolicy::Panic`) is resumed in the caller. The task may be
+/// dropped unfinished: its runtime shut down while the caller waits from elsewhere. The caller
+/// then gets `abandoned()`.
 pub(crate) async fn detached<T: Send + 'static>(
     work: impl Future<Output = Result<T>> + Send + 'static,
     abandoned: impl FnOnce() -> Error,
@@ -447,12 +465,14 @@ pub(crate) async fn detached<T: Send + 'static>(
     }
 }
 
-/// A pooled connection in use by one attempt. It goes back to the pool once its statements
-/// are answered, with a result or an error ([`Checkout::answered`]); dropped before, because
-/// the attempt was abandoned at the local deadline, or a read's caller dropped its future, or
-/// its task was dropped, it is taken out of the pool: the next user would otherwise queue
-/// behind the unanswered statement, on a hung server for good. (Dropping it closes the
-/// connection at once: deadpool aborts the task of a connection taken out of its pool.)
+/// A pooled connection in use by one attempt.
+///
+/// It goes back to the pool once its statements are answered, with a result or an error
+/// ([`Checkout::answered`]). Dropped before, it is taken out of the pool. The next user would
+/// otherwise queue behind the unanswered statement, on a hung server for good. It is dropped
+/// before when the attempt was abandoned at the local deadline, when a read's caller dropped
+/// its future, or when its task was dropped. Dropping it closes the connection at once:
+/// deadpool aborts the task of a connection taken out of its pool.
 pub(crate) struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {
@@ -482,12 +502,15 @@ impl Drop for Checkout {
 }
 
 /// Armed while a mutation's statement may be running on the server and its outcome is not
-/// known yet. Dropped armed, because the task running the statement was dropped (its runtime
-/// shut down) or unwound by a panic, it marks the lease lost (`WriteOutcomeUnknown`): nobody
-/// will learn that outcome, the key's turn is gone with the task, and the statement may still
-/// commit after a later call of the same key. [`OutcomePending::settled`] disarms it.
-/// [`Executor::run`] also keeps one armed from an attempt that broke after it was sent until a
-/// retry is answered: that attempt may have committed, and the turn, handed on as not applied,
+/// known yet.
+///
+/// It may be dropped armed: the task running the statement was dropped, or unwound by a
+/// panic. It then marks the lease lost (`WriteOutcomeUnknown`). Nobody will learn that
+/// outcome, and the key's turn is gone with the task. The statement may still commit after a
+/// later call of the same key. [`OutcomePending::settled`] disarms it.
+///
+/// [`Executor::run`] also keeps one armed from an attempt that broke after it was sent, until a
+/// retry is answered. That attempt may have committed. Its turn, handed on as not applied,
 /// would let an earlier call of the key overwrite it.
 struct OutcomePending<'a> {
     lease: &'a Lease,

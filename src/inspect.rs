@@ -93,12 +93,16 @@ impl Inspector {
             .collect())
     }
 
-    /// Break-glass: expires the lease whoever holds it, so another store can take it at once,
-    /// and wakes waiting standbys. The holder, if still running, is fenced from its next write
-    /// on and fails closed at its next renewal. Returns the holder it released, or `None` when
-    /// it released nothing: nobody held the lease, or the lease it found expired or changed
-    /// hands before its release ran (a new holder is then left alone: see
-    /// [`Inspector::lease_info`] for who holds the lease now).
+    /// Break-glass: expires the lease whoever holds it, so another store can take it at once.
+    /// It wakes waiting standbys.
+    ///
+    /// The holder, if still running, is fenced from its next write on. It fails closed at its
+    /// next renewal.
+    ///
+    /// It returns the holder it released, or `None` when it released nothing. It releases
+    /// nothing when nobody held the lease. Nor does it when the lease it found expired or
+    /// changed hands before its release ran. A new holder is then left alone: see
+    /// [`Inspector::lease_info`] for who holds the lease now.
     pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };

@@ -5,11 +5,13 @@ use crate::error::{Error, Result};
 /// Longest key or namespace accepted (LDK's limit too).
 pub const MAX_KEY_LEN: usize = 120;
 
-/// The most a [`Batch`](crate::Batch) may carry, counting the bytes of its keys, namespaces
-/// and values, and 16 bytes more for each operation (the lengths that go with them on the
-/// wire): 512 MiB. A batch is one statement, and PostgreSQL refuses a protocol message (and an
-/// array of values) of 1 GiB or more by closing the connection; this keeps every batch well
-/// below that, with a typed error ([`Error::BatchTooLarge`]) before any SQL instead.
+/// The most a [`Batch`](crate::Batch) may carry: 512 MiB.
+///
+/// It counts the bytes of its keys, namespaces and values. Each operation counts 16 bytes
+/// more, for the lengths that go with them on the wire. A batch is one statement. PostgreSQL
+/// refuses a protocol message, or an array of values, of 1 GiB or more by closing the
+/// connection. This bound keeps every batch well below that. A larger batch gets a typed error
+/// ([`Error::BatchTooLarge`]) before any SQL instead.
 pub const MAX_BATCH_BYTES: usize = 512 << 20;
 
 /// Longest table name part accepted. PostgreSQL truncates identifiers at 63 bytes; the longest
@@ -48,9 +50,13 @@ pub(crate) fn check_namespaces(primary: &str, secondary: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks a full key path without touching the database: namespaces of 0..=120 characters of
-/// `[A-Za-z0-9_-]` (an empty primary namespace only with an empty secondary one) and a key of
-/// 1..=120 such characters. Every operation does this itself; tools can check input up front.
+/// Checks a full key path without touching the database.
+///
+/// - Namespaces have 0..=120 characters of `[A-Za-z0-9_-]`.
+/// - An empty primary namespace is allowed only with an empty secondary one.
+/// - A key has 1..=120 such characters.
+///
+/// Every operation does this itself; tools can check input up front.
 pub fn check_key(primary: &str, secondary: &str, key: &str) -> Result<()> {
     check_namespaces(primary, secondary)?;
     check_part("key", key, false)

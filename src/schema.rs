@@ -40,21 +40,24 @@ pub(crate) struct Holder {
     pub(crate) app: String,
 }
 
-/// Runs the whole setup in one transaction: a transaction-scoped advisory lock keyed by the
-/// table serializes concurrent setups (8 stores opening a fresh database at once: one creates
-/// the schema and wins the lease, the others wait, then find the lease held). A live lease is
-/// detected first, with a plain read that locks nothing, so a standby never runs DDL or takes a
-/// lock that would stall the holder: only the store that is about to own the table migrates
-/// it. Then the schema is created or migrated and the lease taken. If anything fails, the
-/// transaction rolls back: schema changes included.
+/// Runs the whole setup in one transaction.
 ///
-/// `caller` is closed when the caller of `open()` is gone (its future dropped, a standby's
-/// timeout, the stop of `open_until`): then the statement running (waiting for the setup lock,
-/// say, or at the fence) is cancelled and nothing is committed, so an abandoned attempt never
-/// takes the lease later. A commit already sent is not waited for then: it may take the lease
-/// all the same ([`SetupFailed::commit_unanswered`]). The cancel request goes with `tls`,
-/// given up after `cancel_within` (a server that stopped answering never completes one over
-/// TLS).
+/// A transaction-scoped advisory lock keyed by the table serializes concurrent setups. Take 8
+/// stores opening a fresh database at once. One creates the schema and wins the lease. The
+/// others wait, then find the lease held.
+///
+/// A live lease is detected first, with a plain read that locks nothing. So a standby never
+/// runs DDL or takes a lock that would stall the holder. Only the store that is about to own
+/// the table migrates it. Then the schema is created or migrated and the lease taken. If
+/// anything fails, the transaction rolls back, schema changes included.
+///
+/// `caller` is closed when the caller of `open()` is gone: its future dropped, a standby's
+/// timeout, the stop of `open_until`. Then the statement running is cancelled, waiting for the
+/// setup lock or at the fence, say. Nothing is committed, so an abandoned attempt never takes
+/// the lease later. A commit already sent is not waited for then. It may take the lease all
+/// the same ([`SetupFailed::commit_unanswered`]). The cancel request goes with `tls`. It is
+/// given up after `cancel_within`: a server that stopped answering never completes one over
+/// TLS.
 pub(crate) async fn setup_and_acquire(
     client: &mut tokio_postgres::Client,
     (tls, cancel_within): (&Tls, Duration),
@@ -133,8 +136,8 @@ pub(crate) async fn setup_and_acquire(
 #[derive(Debug)]
 pub(crate) struct SetupFailed {
     pub(crate) error: Error,
-    /// The commit was sent and no answer came (the connection broke, or the caller stopped
-    /// waiting for it): it may have taken the lease on the server all the same.
+    /// The commit was sent and no answer came: the connection broke, or the caller stopped
+    /// waiting for it. It may have taken the lease on the server all the same.
     pub(crate) commit_unanswered: bool,
 }
 
@@ -259,11 +262,13 @@ async fn prepare(
     Ok(Acquired { owner_id: holder.owner_id, epoch, started, channel })
 }
 
-/// Creates the table's missing schema. Setups of two tables in one new schema do not wait for
-/// each other (their setup locks differ), so another may create the schema first: this one's
-/// `CREATE SCHEMA` then waits for that transaction and, once it commits, fails with a unique
-/// violation on the schema's name, with the schema there as wanted. Under a savepoint, that
-/// failure is undone alone and the setup goes on.
+/// Creates the table's missing schema.
+///
+/// Setups of two tables in one new schema do not wait for each other: their setup locks differ.
+/// So another may create the schema first. This one's `CREATE SCHEMA` then waits for that
+/// transaction. Once it commits, this one fails with a unique violation on the schema's name,
+/// with the schema there as wanted. Under a savepoint, that failure is undone alone and the
+/// setup goes on.
 async fn create_schema(tx: &mut tokio_postgres::Transaction<'_>, table: &TableName) -> Result<()> {
     let savepoint =
         tx.savepoint("pgfence_create_schema").await.map_err(Error::db("create schema"))?;
@@ -278,8 +283,8 @@ async fn create_schema(tx: &mut tokio_postgres::Transaction<'_>, table: &TableNa
 }
 
 /// The NOTIFY channel of `table`, with its name resolved by `client`'s session
-/// ([`sql::TABLE_SCHEMA`]): the holder that releases, the standby that listens and the
-/// operator's force release each resolve it on their own connection, and meet on one channel.
+/// ([`sql::TABLE_SCHEMA`]). The holder that releases, the standby that listens and the
+/// operator's force release each resolve it on their own connection. They meet on one channel.
 pub(crate) async fn notify_channel(
     client: &(impl tokio_postgres::GenericClient + Sync),
     table: &TableName,
@@ -337,9 +342,10 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 /// Creates the database named in `config` when it does not exist (connecting to the
 /// `postgres` database with the same credentials and TLS). A concurrent creation is not an
 /// error. Making that connection (its startup and its read-committed `SET`) is given up after
-/// `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed (it may
-/// legitimately take long: a template copy, a checkpoint), so a server that stops answering
-/// right then holds up a plain `open()` until it answers; the caller's stop ends that wait.
+/// `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed: it may
+/// legitimately take long, for a template copy or a checkpoint. So a server that stops
+/// answering right then holds up a plain `open()` until it answers. The caller's stop ends
+/// that wait.
 pub(crate) async fn create_database(
     config: &tokio_postgres::Config,
     tls: &Tls,

@@ -9,9 +9,11 @@
 
 use crate::keys::TableName;
 
-/// Class key for `pg_advisory_xact_lock(class, object)`: the ASCII bytes "pgfe". The two-key
-/// form keeps pgfence's locks apart from an application's one-key advisory locks; the object
-/// key is `hashtext` of the table name, so setups of different tables never wait on each other.
+/// Class key for `pg_advisory_xact_lock(class, object)`: the ASCII bytes "pgfe".
+///
+/// The two-key form keeps pgfence's locks apart from an application's one-key advisory locks.
+/// The object key is `hashtext` of the table name, so setups of different tables never wait on
+/// each other.
 pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 
 /// Serializes concurrent setups of one table. Transaction-scoped: released at commit or
@@ -22,50 +24,56 @@ pub(crate) const SETUP_LOCK: &str = r#"
 SELECT pg_advisory_xact_lock($1::int,
     hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
 
-/// The schema a table name resolves to, by the rule of [`SETUP_LOCK`]: the one given (`$1`),
-/// or for an unqualified name the one it is created in, `current_schema()` (the first existing
-/// schema on the session's `search_path`, not always `public`). NULL when the `search_path`
-/// names no existing schema. The NOTIFY channel is named from it (see [`notify_channel`]).
+/// The schema a table name resolves to, by the rule of [`SETUP_LOCK`]. That is the one given
+/// (`$1`). For an unqualified name, it is the one the table is created in, `current_schema()`.
+/// That is the first existing schema on the session's `search_path`, not always `public`. It
+/// is NULL when the `search_path` names no existing schema. The NOTIFY channel is named from it
+/// (see [`notify_channel`]).
 pub(crate) const TABLE_SCHEMA: &str = "SELECT coalesce($1::text, current_schema())";
 
-/// First in the setup transaction: a `statement_timeout` or `lock_timeout` in the connection's
-/// options is meant for the application's operations. The setup's waits (for a concurrent
-/// setup, at the fence for the old holder's writes, a one-time index rebuild) end when what
-/// they wait for ends, and a cancelled setup would end a standby's wait for good.
+/// First in the setup transaction. A `statement_timeout` or `lock_timeout` in the connection's
+/// options is meant for the application's operations, not the setup. See docs/design.md,
+/// section "Statement timeouts".
 pub(crate) const SETUP_TIMEOUTS: &str =
     "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
 
 /// Next in the setup transaction: the server ends the session if it is left idle in the
-/// transaction for one TTL (`$1`, in milliseconds, as text). Its client may be gone without a
-/// trace (cut off by a partition: the server notices a vanished client only through TCP
-/// keepalives, after hours by default) or paused; meanwhile the session would hold the setup
-/// lock, which every `open()` of the table waits for, and, once it has taken the lease, the
-/// lease row. So it holds up a failover at most about one TTL, as a holder cut off does.
+/// transaction for one TTL (`$1`, in milliseconds, as text).
+///
+/// Its client may be paused, or gone without a trace, cut off by a partition. The server
+/// notices a vanished client only through TCP keepalives, after hours by default (see
+/// docs/design.md, section "A partition"). Meanwhile the session would hold the setup lock,
+/// which every `open()` of the table waits for. Once it has taken the lease, it would hold the
+/// lease row too. So it holds up a failover at most about one TTL, as a holder cut off does.
 pub(crate) const SETUP_IDLE_TIMEOUT: &str =
     "SELECT set_config('idle_in_transaction_session_timeout', $1, true)";
 
-/// Around the migrations, which may lock the KV table (`ACCESS EXCLUSIVE`, queueing every
-/// other reader of it behind them while they wait): the connection's own `lock_timeout`, if
-/// it has one, bounds that wait again, as the application asked. `DEFAULT` is the session's
-/// value before any `SET`, i.e. the one from the connection's options.
+/// Around the migrations, which may lock the KV table (`ACCESS EXCLUSIVE`). While they wait for
+/// that lock, every other reader of the table queues behind them. So the connection's own
+/// `lock_timeout`, if it has one, bounds that wait again, as the application asked. `DEFAULT`
+/// is the session's value before any `SET`, i.e. the one from the connection's options.
 pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 
-/// Run once on every connection the store opens itself (pool, lease renewal, a standby's
-/// LISTEN), right after connecting: every later statement on it runs at read committed,
+/// Run once on every connection the store opens itself, right after connecting: pool, lease
+/// renewal, a standby's LISTEN. Every later statement on it runs at read committed. That holds
 /// whatever `default_transaction_isolation` the database, the role or the connection's options
-/// set. Each fenced mutation and renewal is a transaction of one statement, and only read
-/// committed re-reads the lease row when it was changed after the statement's snapshot: a
-/// mutation that waited for a takeover then finds the lease gone (`LeaseLost`), and a renewal
-/// that waited for another update of the row renews at once. Under repeatable read or
-/// serializable both get a serialization failure (SQLSTATE 40001) instead, which the store
-/// cannot tell from any other database error. A `SET` rather than a `-c` startup option:
-/// PgBouncer refuses startup options it does not track, this one included, by default.
+/// set.
+///
+/// Each fenced mutation and renewal is a transaction of one statement. Only read committed
+/// re-reads the lease row when it was changed after the statement's snapshot. Under
+/// repeatable read or serializable, a serialization failure (SQLSTATE 40001) comes instead. The
+/// store cannot tell that from any other database error. See docs/design.md, section
+/// "Isolation".
+///
+/// It is a `SET` rather than a `-c` startup option. By default, PgBouncer refuses startup
+/// options it does not track, this one included.
 pub(crate) const READ_COMMITTED: &str =
     "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// The renewal thread's session: see `lease::connected` for the asynchronous commit; read
-/// committed as in [`READ_COMMITTED`], also on a connection taken from a pool passed to
-/// `builder_from_pool` (the renewal thread keeps it for good: its session is the store's own).
+/// The renewal thread's session. See `lease::connected` for the asynchronous commit. It sets
+/// read committed as in [`READ_COMMITTED`]. It does so also on a connection taken from a pool
+/// passed to `builder_from_pool`. The renewal thread keeps that connection for good, so its
+/// session is the store's own.
 pub(crate) const RENEWAL_SESSION: &str = "SET synchronous_commit = off; \
      SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
@@ -77,11 +85,12 @@ pub(crate) const DEFAULT_ISOLATION: &str =
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 
-/// Whether the schema named `$1` (as given, case kept) exists. The setup creates a table's
-/// schema only when it does not: PostgreSQL checks the privilege to create schemas in the
-/// database before it looks whether one exists, so `CREATE SCHEMA IF NOT EXISTS` of an existing
-/// schema fails for a role that may use the schema but not create schemas (the usual
-/// least-privilege setup, with the schema made by an administrator).
+/// Whether the schema named `$1` (as given, case kept) exists.
+///
+/// The setup creates a table's schema only when it does not. PostgreSQL checks the privilege to
+/// create schemas in the database before it looks whether one exists. So `CREATE SCHEMA IF NOT
+/// EXISTS` of an existing schema fails for a role that may use the schema but not create
+/// schemas. That is the usual least-privilege setup, with the schema made by an administrator.
 pub(crate) const SCHEMA_EXISTS: &str =
     "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)";
 
@@ -100,16 +109,19 @@ pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES 
 /// Takes the lease if the row is absent or expired; returns the new epoch, or no row when the
 /// lease is held.
 ///
-/// Two steps in one statement, sharing one snapshot: `created` inserts the row if there is none
-/// (`DO NOTHING` never locks an existing row); otherwise `taken` updates it if expired. A plain
-/// UPDATE locks only rows that pass its WHERE, so a failed attempt leaves the holder's row
-/// unlocked. (`ON CONFLICT DO UPDATE ... WHERE` would lock the row even when the WHERE fails,
-/// and a paused standby would then block the holder's writes and renewal until its
-/// transaction ended.) Changing `owner_id` (a key column) takes a FOR UPDATE row lock, so the
-/// update waits for every in-flight mutation of the previous owner (FOR KEY SHARE) to commit:
-/// the fence. After that wait PostgreSQL re-checks the WHERE against the latest row version,
-/// but keeps the new row it computed before the wait (a lock alone does not change the row):
-/// the expiry is then short by the wait, already past if the wait was longer than the TTL.
+/// Two steps in one statement, sharing one snapshot. `created` inserts the row if there is
+/// none; `DO NOTHING` never locks an existing row. Otherwise `taken` updates it if expired.
+///
+/// A plain UPDATE locks only rows that pass its WHERE, so a failed attempt leaves the holder's
+/// row unlocked. `ON CONFLICT DO UPDATE ... WHERE` would lock the row even when the WHERE
+/// fails. A paused standby would then block the holder's writes and renewal until its
+/// transaction ended.
+///
+/// Changing `owner_id`, a key column, takes a FOR UPDATE row lock. So the update waits for
+/// every in-flight mutation of the previous owner (FOR KEY SHARE) to commit: that is the fence.
+/// After that wait, PostgreSQL re-checks the WHERE against the latest row version. But it keeps
+/// the new row it computed before the wait, since a lock alone does not change the row. The
+/// expiry is then short by the wait, and already past if the wait was longer than the TTL.
 /// [`RESTART_EXPIRY`] follows in the same transaction.
 pub(crate) const ACQUIRE: &str = r#"
 WITH created AS (
@@ -152,10 +164,10 @@ SELECT owner_id, epoch, holder_host, holder_pid, holder_app,
   FROM {lease}
  WHERE id = 1"#;
 
-/// Extends our lease. Changes only `expires_at` (not a key column), so it takes a FOR NO KEY
-/// UPDATE row lock, which does not conflict with the writers' FOR KEY SHARE: heavy write
-/// traffic cannot starve renewal. No row: the lease is no longer ours (or already expired,
-/// which must not be resurrected).
+/// Extends our lease. It changes only `expires_at`, not a key column. So it takes a FOR NO KEY
+/// UPDATE row lock, which does not conflict with the writers' FOR KEY SHARE. Heavy write traffic
+/// therefore cannot starve renewal. No row means the lease is no longer ours, or already
+/// expired, which must not be resurrected.
 pub(crate) const RENEW: &str = r#"
 UPDATE {lease}
    SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
@@ -177,9 +189,9 @@ SELECT epoch, pg_notify($2, epoch::text) FROM released"#;
 /// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
 /// (FOR KEY SHARE) only if we own it and it has not expired. The lock is held until commit, so
 /// a takeover waits for this statement. `valid` checks the expiry again once the lock is
-/// granted: if the lock had to wait (for a transaction that then rolled back, leaving the row
-/// unchanged), PostgreSQL does not re-evaluate `lease`'s WHERE, and the lease may have expired
-/// meanwhile. The insert reads from `valid`, so it writes nothing when the lease is gone.
+/// granted. The lock may have waited for a transaction that then rolled back, leaving the row
+/// unchanged. PostgreSQL then does not re-evaluate `lease`'s WHERE, and the lease may have
+/// expired meanwhile. The insert reads from `valid`, so it writes nothing when the lease is gone.
 /// Returns whether the lease was held (false: nothing was written).
 pub(crate) const WRITE: &str = r#"
 WITH lease AS (
@@ -213,18 +225,20 @@ SELECT EXISTS (SELECT 1 FROM valid)"#;
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
-/// removes, as parallel arrays; `unnest` zips them into rows. Both data-modifying CTEs read the
-/// one `valid` CTE (`lease` is materialized once, so the lease row is share-locked once, and
-/// `valid` re-checks the expiry after the lock), so nothing is written or deleted when the
-/// lease is gone. The caller passes each key at most once across
-/// both lists (a row may be changed only once per statement).
+/// removes, as parallel arrays; `unnest` zips them into rows.
+///
+/// Both data-modifying CTEs read the one `valid` CTE. `lease` is materialized once, so the
+/// lease row is share-locked once. `valid` re-checks the expiry after the lock. So nothing is
+/// written or deleted when the lease is gone. The caller passes each key at most once across
+/// both lists, since a row may be changed only once per statement.
 ///
 /// The removes' arrays are read through scalar subqueries, `(SELECT $6::text[])`, so that
 /// PostgreSQL cannot see their length while planning. It estimates `unnest` of a plain
 /// parameter at the array's real length in a custom plan and at 10 rows in the generic one,
-/// and the delete's join costs in proportion. With fewer than about ten removes (on a table of
-/// 100,000 keys) the generic plan then always looked costlier, and the statement was planned
-/// afresh on every execution: 0.15-0.25 ms each time, measured with three puts and one remove.
+/// and the delete's join costs in proportion. Take a table of 100,000 keys and fewer than
+/// about ten removes. The generic plan then always looked costlier, and the statement was
+/// planned afresh on every execution. That cost 0.15-0.25 ms each time, measured with three
+/// puts and one remove.
 /// Behind the subqueries both estimates are the same, so after five executions the statement
 /// is planned once per connection. That plan looks up each remove in the primary key, which
 /// is what the custom plans of small remove lists did too.
@@ -254,11 +268,13 @@ WITH lease AS (
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 
-/// [`BATCH`] without removes, for batches of puts only (the common case, and every group of
-/// coalesced writes without a remove). `BATCH` with empty remove arrays still sets up its
-/// delete on every execution: measured side by side on one connection, it took 10-120 µs
-/// longer per statement (medians, 8 and 100 puts of 1 KiB). This statement's generic plan costs
-/// the same as its custom plans, so it is planned once per connection after five executions.
+/// [`BATCH`] without removes, for batches of puts only. That is the common case, and every
+/// group of coalesced writes without a remove.
+///
+/// `BATCH` with empty remove arrays still sets up its delete on every execution. Measured side
+/// by side on one connection, it took 10-120 µs longer per statement (medians, 8 and 100 puts
+/// of 1 KiB). This statement's generic plan costs the same as its custom plans. So it is
+/// planned once per connection after five executions.
 pub(crate) const BATCH_PUT: &str = r#"
 WITH lease AS (
     SELECT epoch, expires_at FROM {lease}
@@ -406,17 +422,21 @@ pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
         .replace("{schema}", &format!("\"{schema}\""))
 }
 
-/// The NOTIFY channel a release signals on, for standbys to LISTEN to. `schema` is the schema
-/// the table name resolved to ([`TABLE_SCHEMA`], asked on the session that notifies or
-/// listens), so every spelling of one table uses one channel: `t` and `public.t` (with
-/// `public` first on the `search_path`) both name `pgfence_t`, and `t` and `app.t` (with `app`
-/// first) both name `pgfence_app.t`. `public` is left out so that the channel of the common
-/// case, an unqualified name in `public`, is the one earlier versions used too.
+/// The NOTIFY channel a release signals on, for standbys to LISTEN to.
 ///
-/// Channel names are identifiers (at most 63 bytes): a long name is shortened with a stable
-/// hash, and so is one with a character other than `[A-Za-z0-9_.]` (possible only in a schema
-/// that a `search_path` named, never in a validated table name), which keeps the channel safe
-/// to quote in `LISTEN "..."`.
+/// `schema` is the schema the table name resolved to ([`TABLE_SCHEMA`]). It is asked on the
+/// session that notifies or listens. So every spelling of one table uses one channel:
+///
+/// - `t` and `public.t` both name `pgfence_t`, with `public` first on the `search_path`;
+/// - `t` and `app.t` both name `pgfence_app.t`, with `app` first.
+///
+/// `public` is left out so that the channel of the common case, an unqualified name in
+/// `public`, is the one earlier versions used too.
+///
+/// Channel names are identifiers, at most 63 bytes. A long name is shortened with a stable
+/// hash. So is one with a character other than `[A-Za-z0-9_.]`. That is possible only in a
+/// schema that a `search_path` named, never in a validated table name. This keeps the channel
+/// safe to quote in `LISTEN "..."`.
 pub(crate) fn notify_channel(table: &TableName, schema: Option<&str>) -> String {
     let name = match schema {
         Some(schema) if schema != "public" => format!("{schema}.{}", table.name),

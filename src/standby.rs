@@ -12,8 +12,8 @@ use crate::keys::TableName;
 use crate::schema;
 use crate::store::{self, PgKvStore};
 
-/// Longest a standby sleeps between two looks at the lease when nothing wakes it: bounds the
-/// takeover delay when notifications are unavailable (LISTEN connection down, or a pool source).
+/// Longest a standby sleeps between two looks at the lease when nothing wakes it. It bounds the
+/// takeover delay when notifications are unavailable: LISTEN connection down, or a pool source.
 const MAX_POLL: Duration = Duration::from_secs(1);
 
 /// Margin added to the holder's remaining time before trying again, so the attempt lands just
@@ -45,15 +45,24 @@ pub enum StandbyState {
 /// A standby: waits until the lease can be taken, then opens the store. Created by
 /// [`Builder::standby`].
 ///
-/// While waiting it `LISTEN`s on the table's channel on a connection of its own (never a pooled
-/// one), so a graceful release (`close()` or drop of the holder, which `NOTIFY` in the same
-/// transaction) wakes it at once. After a crash it sleeps until the holder's lease expires by
-/// the database clock, and is woken early by any notification. If the LISTEN connection fails it
-/// polls at least every second and reconnects; after every 5 s without a notification it checks
-/// that the connection still answers, and replaces one that does not (silently dropped by a NAT
-/// or firewall, say), so a lost notification costs seconds, not the holder's whole TTL. Cancel it
-/// by dropping the `open()` future (an attempt in progress is then cancelled in the background), or
-/// with [`Standby::open_until`], which returns once nothing of it is left running.
+/// # Waking
+///
+/// While waiting, it `LISTEN`s on the table's channel on a connection of its own, never a
+/// pooled one. A graceful release is `close()` or drop of the holder, which `NOTIFY` in the same
+/// transaction. So a graceful release wakes it at once. After a crash, it sleeps until the
+/// holder's lease expires by the database clock. Any notification wakes it early.
+///
+/// # A failed or silent LISTEN connection
+///
+/// If the LISTEN connection fails, the standby polls at least every second and reconnects.
+/// After every 5 s without a notification, it checks that the connection still answers. It
+/// replaces one that does not, silently dropped by a NAT or firewall, say. So a lost
+/// notification costs seconds, not the holder's whole TTL.
+///
+/// # Cancelling
+///
+/// Cancel it by dropping the `open()` future; an attempt in progress is then cancelled in the
+/// background. Or use [`Standby::open_until`], which returns once nothing of it is left running.
 #[derive(Debug)]
 pub struct Standby {
     builder: Builder,
@@ -86,10 +95,12 @@ impl Standby {
         self.open_until(std::future::pending()).await?.ok_or(Error::Closed)
     }
 
-    /// [`Standby::open`], given up when `stop` completes first: `Ok(None)`, returned once an
-    /// attempt in progress is cancelled (see [`Builder::open_until`]), so nothing of the
-    /// standby is left running and the runtime may shut down right after. The
-    /// [`Standby::timeout`] gives up the same way, with [`Error::Timeout`].
+    /// [`Standby::open`], given up when `stop` completes first.
+    ///
+    /// It then returns `Ok(None)`, once an attempt in progress is cancelled (see
+    /// [`Builder::open_until`]). So nothing of the standby is left running, and the runtime may
+    /// shut down right after. The [`Standby::timeout`] gives up the same way, with
+    /// [`Error::Timeout`].
     pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
         let table = self.builder.validate()?;
         let timed_out = AtomicBool::new(false);
@@ -160,8 +171,9 @@ impl Standby {
 }
 
 /// How often a standby waiting on its LISTEN connection checks that the connection still
-/// answers. One silently dropped on the way (a NAT or firewall idle timeout, a hung middlebox)
-/// would miss the release's notification, and the standby would wait for the holder's expiry.
+/// answers. A connection may be silently dropped on the way: a NAT or firewall idle timeout, a
+/// hung middlebox. It would miss the release's notification. The standby would then wait for
+/// the holder's expiry.
 const LISTEN_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// A LISTEN on the table's channel, on a connection of its own. The task that drives the
@@ -210,10 +222,11 @@ impl Listener {
         self.broken || self.client.is_closed() || self.task.is_finished()
     }
 
-    /// Waits for a notification or `max`, whichever comes first. After every
-    /// [`LISTEN_CHECK_EVERY`] without one, checks that the connection still answers (within
-    /// `check_timeout`); if not, closes it and returns early, so the standby looks at the lease
-    /// again and listens on a new connection.
+    /// Waits for a notification or `max`, whichever comes first.
+    ///
+    /// After every [`LISTEN_CHECK_EVERY`] without one, it checks that the connection still
+    /// answers within `check_timeout`. If not, it closes the connection and returns early. The
+    /// standby then looks at the lease again and listens on a new connection.
     async fn wait(&mut self, max: Duration, check_timeout: Duration) {
         let until = tokio::time::Instant::now() + max;
         loop {

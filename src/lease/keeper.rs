@@ -1,10 +1,10 @@
 //! The renewal thread: renews the lease, publishes a passed deadline, and releases the lease
 //! when the store stops or after a loss.
 //!
-//! Renewal runs on a thread of its own with a current-thread tokio runtime and its own
-//! connection, so a busy or blocked application runtime or an exhausted pool can never delay
-//! it, and the release on drop never depends on the caller's runtime (dropping a store inside a
-//! current-thread runtime would otherwise deadlock on its own I/O).
+//! Renewal runs on a thread of its own, with a current-thread tokio runtime and its own
+//! connection. So a busy or blocked application runtime, or an exhausted pool, can never delay
+//! it. And the release on drop never depends on the caller's runtime. Otherwise dropping a
+//! store inside a current-thread runtime would deadlock on its own I/O.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,11 +103,13 @@ impl Keeper {
         Ok(Keeper { stop, thread: Some(thread), lease })
     }
 
-    /// Stops renewal and releases the lease; returns the release's result. If the thread ended
-    /// without answering (under [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic), its
-    /// panic after a loss that renewal found, whether before this request or while the request
-    /// waited for a release attempt to end), nothing released the lease on this request, and no
-    /// attempt is retried any more: returns [`Error::LeaseLost`] (see [`Keeper::ended`]).
+    /// Stops renewal and releases the lease; returns the release's result.
+    ///
+    /// The thread may have ended without answering. Under
+    /// [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic), it panics after a loss that
+    /// renewal found. That may happen before this request, or while the request waited for a
+    /// release attempt to end. Then nothing released the lease on this request, and no attempt
+    /// is retried any more. It returns [`Error::LeaseLost`] (see [`Keeper::ended`]).
     pub(crate) async fn shutdown(mut self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let reply: Reply = Box::new(move |result| {
@@ -156,12 +158,15 @@ impl Keeper {
         }
     }
 
-    /// What to report when the thread ended without answering a request to stop: only a
-    /// panic ends it so (`run` returns only after answering, and the channel stays open while
-    /// `self` lives), and only [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic) panics
-    /// there, after a loss: [`Error::LeaseLost`]. Any other panic would be a bug of this crate: the
-    /// lease was not released and is no longer renewed (it expires by TTL), published as
-    /// `Abandoned` if it was still `Held`, and reported as [`Error::Runtime`].
+    /// What to report when the thread ended without answering a request to stop.
+    ///
+    /// Only a panic ends it so: `run` returns only after answering, and the channel stays open
+    /// while `self` lives. Only [`LeaseLossPolicy::Panic`](crate::LeaseLossPolicy::Panic)
+    /// panics there, after a loss: that is [`Error::LeaseLost`].
+    ///
+    /// Any other panic would be a bug of this crate. The lease was then not released and is no
+    /// longer renewed, so it expires by TTL. It is published as `Abandoned` if it was still
+    /// `Held`, and reported as [`Error::Runtime`].
     fn ended(&self) -> Error {
         let lease = &self.lease;
         // Atomic with the check for a loss: a loss found meanwhile is reported as that loss.
@@ -176,11 +181,12 @@ impl Keeper {
     }
 }
 
-/// The longest the renewal thread sleeps. Its timers are tokio's, on the monotonic clock,
-/// which stops while the machine is suspended; the local deadline is on [`clock`], which does
-/// not. Waking at least this often (only to read the clock: no SQL), the thread sends a renewal
-/// that came due, or publishes a deadline that passed, during a suspend within about this long
-/// after the resume.
+/// The longest the renewal thread sleeps.
+///
+/// Its timers are tokio's, on the monotonic clock, which stops while the machine is suspended.
+/// The local deadline is on [`clock`], which does not. The thread wakes at least this often,
+/// only to read the clock, with no SQL. So a renewal that came due during a suspend is sent
+/// within about this long after the resume. A deadline that passed is published as soon.
 const MAX_NAP: Duration = Duration::from_secs(1);
 
 /// What the renewal thread does when it wakes while the lease is held.
@@ -207,22 +213,31 @@ fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
     }
 }
 
-/// The renewal loop. Renews every `renew_interval` measured from the start of the previous
-/// confirmed renewal; a failed attempt is retried about every second until the local deadline,
-/// where the lease is declared lost. Missed renewals are skipped, never burst. Every time is on
-/// [`clock`] and the thread wakes at least every [`MAX_NAP`], so the deadline is published
-/// (`DeadlinePassed`) within about a second of passing, also after a suspend, and also while a
-/// renewal attempt still waits for the server.
+/// The renewal loop.
 ///
-/// Once the lease is lost, whoever found it (renewal or an operation), no renewal is sent any
-/// more (one that has started to connect is not sent), and the lease is released by owner id:
-/// harmless if the lease is already someone else's, and a standby need not wait out the TTL
-/// when it is not. A release that fails (the network still down, say) is retried about every
-/// second until one succeeds, or until the database's expiry of the lease has certainly passed
-/// (then there is nothing left to release): a holder that regains the network hands over about
-/// a second later instead of at the expiry. A loss that renewal found applies the loss policy
-/// after the first release attempt (`Panic` ends the thread there, unanswered: see
-/// [`Keeper::ended`]). Then the thread waits for the store to shut it down.
+/// It renews every `renew_interval`, measured from the start of the previous confirmed
+/// renewal. A failed attempt is retried about every second until the local deadline. There
+/// the lease is declared lost. Missed renewals are skipped, never burst.
+///
+/// Every time is on [`clock`], and the thread wakes at least every [`MAX_NAP`]. So the deadline
+/// is published (`DeadlinePassed`) within about a second of passing. That holds after a
+/// suspend too, and while a renewal attempt still waits for the server.
+///
+/// # After a loss
+///
+/// Renewal or an operation may find the loss. Either way, no renewal is sent any more. One
+/// that has started to connect is not sent either. The lease is released by owner id. That is
+/// harmless if the lease is already someone else's. When it is not, a standby need not wait
+/// out the TTL.
+///
+/// A release that fails, with the network still down say, is retried about every second. It
+/// is retried until one succeeds, or until the database's expiry of the lease has certainly
+/// passed. Then there is nothing left to release. So a holder that regains the network hands
+/// over about a second later, not at the expiry.
+///
+/// A loss that renewal found applies the loss policy after the first release attempt. `Panic`
+/// ends the thread there, unanswered (see [`Keeper::ended`]). Then the thread waits for the
+/// store to shut it down.
 async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedReceiver<Reply>) {
     let retry_every = config.renew_interval.min(MAX_NAP);
     let quick = config.release_timeout.min(Duration::from_secs(2));
@@ -476,9 +491,9 @@ mod tests {
     use crate::lease::tests::{lease, published};
 
     /// The renewal thread never sleeps longer than `MAX_NAP`, however far away its next
-    /// renewal is, and decides from the times alone: after a suspend that outlasted the
-    /// deadline (the clock jumped past it) it loses the lease; after a shorter one that
-    /// outlasted the renewal interval, it renews at once.
+    /// renewal is. It decides from the times alone. A suspend may outlast the deadline: the
+    /// clock jumped past it, and the thread loses the lease. A shorter suspend may outlast the
+    /// renewal interval: the thread renews at once.
     #[test]
     fn renewal_thread_wakes_at_least_every_second_and_decides_from_the_clock() {
         let s = Duration::from_secs;
@@ -507,9 +522,10 @@ mod tests {
         Keeper { stop, thread: Some(thread), lease: Arc::clone(lease) }
     }
 
-    /// A renewal thread that ended without answering is reported, never taken for a release:
-    /// after a loss (the panic of `LeaseLossPolicy::Panic`) as that loss; otherwise (a bug) as
-    /// `Runtime`, with the lease published `Abandoned`. The drop path only logs it, at once.
+    /// A renewal thread that ended without answering is reported, never taken for a release.
+    /// After a loss (the panic of `LeaseLossPolicy::Panic`), it is reported as that loss.
+    /// Otherwise it is a bug, reported as `Runtime`, with the lease published `Abandoned`. The
+    /// drop path only logs it, at once.
     #[tokio::test]
     async fn shutdown_reports_a_thread_that_ended_unanswered() {
         let lost = Arc::new(lease());
@@ -543,12 +559,14 @@ mod tests {
         }
     }
 
-    /// The renewal thread publishes a passed deadline about when it passes, not when its timer
-    /// for the next renewal fires: here that renewal is a minute after a deadline 1.5 s away,
-    /// as it is in effect after a suspend (which stops tokio's timers, not [`clock`]) that
-    /// outlasts the deadline. A suspend itself cannot be made here; this is its effect on the
-    /// loop. Nothing is sent before the loss (there is no server; only the release after the
-    /// loss tries one, and fails).
+    /// The renewal thread publishes a passed deadline about when it passes. It does not wait
+    /// for its timer for the next renewal to fire. Here that renewal is a minute after a
+    /// deadline 1.5 s away.
+    ///
+    /// That is in effect what a suspend that outlasts the deadline does: it stops tokio's
+    /// timers, not [`clock`]. A suspend itself cannot be made here; this is its effect on the
+    /// loop. Nothing is sent before the loss. There is no server: only the release after the
+    /// loss tries one, and fails.
     #[tokio::test]
     async fn passed_deadline_is_published_without_waiting_for_the_renewal_timer() {
         let deadline_after = Duration::from_millis(1500);

@@ -1,6 +1,8 @@
 //! The lease once held: one state machine ([`Lease`]) for its local deadline, loss and
-//! release, published on [`crate::PgKvStore::lease_state`]; the renewal thread that keeps it
-//! and releases it is in [`keeper`].
+//! release.
+//!
+//! Its state is published on [`crate::PgKvStore::lease_state`]. The renewal thread that keeps
+//! the lease and releases it is in [`keeper`].
 
 mod keeper;
 
@@ -37,9 +39,9 @@ pub enum LeaseState {
         /// The epoch that was held.
         epoch: i64,
     },
-    /// The store stopped (closed or dropped) but could not release the lease, the database
-    /// being out of reach: it no longer renews it, and the next store takes it once it
-    /// expires, within one TTL. Published so that a watcher learns this store is done.
+    /// The store stopped (closed or dropped) but could not release the lease: the database was
+    /// out of reach. It no longer renews the lease. The next store takes it once it expires,
+    /// within one TTL. It is published so that a watcher learns this store is done.
     Abandoned {
         /// The epoch that was held.
         epoch: i64,
@@ -241,10 +243,13 @@ impl Lease {
         Ok(())
     }
 
-    /// Completes once the local deadline has passed, unless the lease was given up by then
-    /// (after a release there is no deadline to keep: an operation still running is left to
-    /// finish). Renewal moves the deadline, so it is read again on every wake-up, at least once a
-    /// second: tokio's timers stop while the machine is suspended, the deadline's clock does not.
+    /// Completes once the local deadline has passed, unless the lease was given up by then.
+    /// After a release there is no deadline to keep: an operation still running is left to
+    /// finish.
+    ///
+    /// Renewal moves the deadline, so it is read again on every wake-up, at least once a
+    /// second. tokio's timers stop while the machine is suspended; the deadline's clock does
+    /// not.
     pub(crate) async fn deadline_passed(&self) {
         const MAX_NAP: Duration = Duration::from_secs(1);
         loop {
@@ -258,11 +263,15 @@ impl Lease {
     }
 
     /// [`Lease::deadline_passed`] for operations, without a timer of their own while the lease
-    /// is held: a timer per statement cost the write path a wake-up of the runtime's driver
-    /// thread, measurable at one writer. While `Held`, it waits for the state to change: the
-    /// renewal thread publishes `DeadlinePassed` within about a second of the deadline (it
-    /// wakes at least that often). Once the state is anything else (lost for another reason,
-    /// or the store stopped: nothing more will be published), it times the deadline itself.
+    /// is held.
+    ///
+    /// A timer per statement cost the write path a wake-up of the runtime's driver thread. That
+    /// was measurable at one writer. So while `Held`, it waits for the state to change. The
+    /// renewal thread wakes at least once a second, and publishes `DeadlinePassed` within about
+    /// a second of the deadline.
+    ///
+    /// Once the state is anything else, nothing more will be published. The lease was lost for
+    /// another reason, or the store stopped. It then times the deadline itself.
     pub(crate) async fn deadline_reported(&self) {
         let mut state = self.subscribe();
         loop {
@@ -291,8 +300,8 @@ impl Lease {
         }
     }
 
-    /// Marks the lease lost: the first reason wins, and is logged and published once, if the
-    /// lease was still held then (a release that got in first keeps `Released`).
+    /// Marks the lease lost. The first reason wins. It is logged and published once, if the
+    /// lease was still held then. A release that got in first keeps `Released`.
     fn lose(&self, reason: LossReason) -> State {
         self.transition(Event::Lost(reason))
     }
@@ -404,10 +413,10 @@ mod tests {
         assert_eq!(published(&lost_first), lost);
     }
 
-    /// After the release there is nothing left to lose: a failure is `Closed`, except for a
-    /// statement that may still commit, which is `LeaseLost` all the same (`Closed` reads as
-    /// "not written"); a mutation dropped with its outcome unknown is recorded. The published
-    /// state stays `Released` throughout.
+    /// After the release there is nothing left to lose, so a failure is `Closed`. The exception
+    /// is a statement that may still commit: it is `LeaseLost` all the same, since `Closed`
+    /// reads as "not written". A mutation dropped with its outcome unknown is recorded. The
+    /// published state stays `Released` throughout.
     #[test]
     fn after_a_release_only_unknown_outcomes_are_reported_as_losses() {
         let lease = lease();

@@ -1,6 +1,7 @@
-//! `PgKvStore`, the public API: read, write, remove, list, paginate, close. Each method checks
-//! its input, then hands over to the write path ([`crate::write`]) or straight to the
-//! statement executor ([`crate::exec`]). The open sequence is in [`open`].
+//! `PgKvStore`, the public API: read, write, remove, list, paginate, close.
+//!
+//! Each method checks its input first. It then hands over to the write path ([`crate::write`])
+//! or straight to the statement executor ([`crate::exec`]). The open sequence is in [`open`].
 
 pub(crate) mod open;
 
@@ -25,34 +26,40 @@ use crate::write::{Mutation, Writes};
 ///
 /// # Guarantees
 ///
-/// - **Fencing.** Every `write` and `remove` runs in one SQL statement that checks, under a
-///   `FOR KEY SHARE` lock on the lease row, that this store still owns an unexpired lease, and
+/// - **Fencing.** Every `write` and `remove` runs in one SQL statement. Under a `FOR KEY SHARE`
+///   lock on the lease row, it checks that this store still owns an unexpired lease. It
 ///   mutates only if so. A takeover must change the lease row's owner, which waits for that
-///   lock: no write of this store can commit after another store acquired the lease. (While
-///   [`Builder::write_concurrency`] statements are busy, waiting mutations of other keys share
-///   the next such statement; each call still gets its own result.)
-/// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed
-///   (or was superseded by a later call to the same key that is committed).
+///   lock. So no write of this store can commit after another store acquired the lease.
+/// - **Shared statements.** While [`Builder::write_concurrency`] statements are busy, waiting
+///   mutations of other keys share the next such statement. Each call still gets its own
+///   result.
+/// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed.
+///   Or it was superseded by a later call to the same key, and that one is committed.
 /// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
-///   methods were *called*, whatever order their futures are polled or complete in: a later
-///   call's value is never overwritten by an earlier one.
-/// - **Fail closed.** Once the lease is lost, or renewal could not confirm it before the local
-///   deadline (which comes before the database expiry), every key operation (reads, lists,
-///   writes, removes, batches) returns [`Error::LeaseLost`], permanently, and
-///   [`PgKvStore::lease_state`] reports [`LeaseState::Lost`]. An operation still waiting for
-///   the server's answer when the local deadline passes returns then too (within about a
-///   second), instead of waiting for a server that may never answer. Of the calls that read
-///   the database, only [`PgKvStore::lease_info`] still answers, to show who holds the lease
-///   now. The [`crate::LeaseLossPolicy`] decides whether it also panics or aborts. A mutation
-///   whose statement had already locked the lease row when the loss came may still commit; a
-///   successor's takeover waits for it. It returns `Ok` if its answer comes before the local
-///   deadline, else `LeaseLost` with its outcome unknown (read the key back).
-/// - **No leaked ownership.** `close()` releases the lease; dropping the last handle releases
-///   it once the last outstanding `write`/`remove` future has finished (those futures keep the
-///   lease alive and renewed). Release is by owner id, so a store that lost its lease never
-///   releases its successor's; it releases its own at once, retrying about every second while
-///   the database cannot be reached. A crashed store's lease is taken over after it expires.
-/// - **Reads** see committed data only: a read returns the latest committed value of the key
+///   methods were *called*. The order their futures are polled or complete in does not matter.
+///   A later call's value is never overwritten by an earlier one.
+/// - **Fail closed.** The store fails closed once the lease is lost. It also does when renewal
+///   could not confirm the lease before the local deadline, which comes before the database
+///   expiry. From then on, every key operation returns [`Error::LeaseLost`], for good. That
+///   covers reads, lists, writes, removes and batches. [`PgKvStore::lease_state`] reports
+///   [`LeaseState::Lost`].
+/// - **No waiting past the deadline.** An operation still waiting for the server's answer at
+///   the local deadline returns then too, within about a second. It does not wait for a
+///   server that may never answer.
+/// - **After a loss**, [`PgKvStore::lease_info`] is the only call that still reads the
+///   database. It shows who holds the lease now. The [`crate::LeaseLossPolicy`] decides
+///   whether the loss also panics or aborts.
+/// - **A mutation already at the fence.** A mutation may still commit if its statement had
+///   locked the lease row when the loss came. A successor's takeover waits for it. It returns
+///   `Ok` if its answer comes before the local deadline. Otherwise it returns `LeaseLost` with
+///   its outcome unknown: read the key back.
+/// - **No leaked ownership.** `close()` releases the lease. Dropping the last handle releases
+///   it once the last outstanding `write`/`remove` future has finished. Those futures keep the
+///   lease alive and renewed; an uncommitted [`Batch`] does not.
+/// - **Release by owner id.** A store that lost its lease never releases its successor's. It
+///   releases its own at once, and retries about every second while the database cannot be
+///   reached. A crashed store's lease is taken over after it expires.
+/// - **Reads** see committed data only. A read returns the latest committed value of the key
 ///   at the time its statement runs.
 ///
 /// Cloning is cheap and shares one store (one lease).
@@ -146,28 +153,37 @@ impl PgKvStore {
         Builder::new(Source::Config(Box::new(config)))
     }
 
-    /// Starts configuring a store on an existing pool. The renewal task takes one connection
-    /// out of the pool for good (the pool then opens a replacement when needed, so the renewal
-    /// connection comes on top of the pool's maximum); its I/O runs on the runtime that created
-    /// it. Notifications cannot be received through a pooled connection, so a standby on a pool
-    /// polls instead of listening. `close()` leaves the pool open. Dropping such a store inside a
-    /// current-thread runtime cannot release the lease (the renewal connection's I/O needs the
-    /// runtime the drop blocks); it then expires by TTL: prefer `close().await` there. For
-    /// renewal fully independent of the application's runtime, use [`PgKvStore::builder`] or
-    /// [`PgKvStore::builder_from_config`].
+    /// Starts configuring a store on an existing pool.
+    ///
+    /// - The renewal task takes one connection out of the pool for good. The pool opens a
+    ///   replacement when needed, so the renewal connection comes on top of the pool's maximum.
+    /// - The renewal connection's I/O runs on the runtime that created it.
+    /// - Notifications cannot be received through a pooled connection. So a standby on a pool
+    ///   polls instead of listening.
+    /// - `close()` leaves the pool open.
+    /// - Dropping such a store inside a current-thread runtime cannot release the lease. The
+    ///   renewal connection's I/O needs the runtime that the drop blocks. The lease then
+    ///   expires by TTL, so prefer `close().await` there.
+    ///
+    /// For renewal fully independent of the application's runtime, use [`PgKvStore::builder`]
+    /// or [`PgKvStore::builder_from_config`].
+    ///
+    /// # Isolation
     ///
     /// The pool's connections must default to read committed. The store sets the connections
-    /// it opens itself to read committed, whatever `default_transaction_isolation` the
-    /// database, the role or the connection's options say, but it cannot set a pool's it did
-    /// not build: under repeatable read or serializable a write that waited for a takeover would
-    /// get a serialization failure (SQLSTATE 40001) instead of [`Error::LeaseLost`]. So
-    /// [`Builder::open`] refuses a pool whose connections default to either
-    /// ([`Error::InvalidConfig`], field `"pool"`). Where the database or role sets a stricter
-    /// default, give the pool's connections `-c default_transaction_isolation=read\ committed`
-    /// in their options (the backslash keeps the space in the value). A `post_create` hook that
-    /// runs `SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED` passes
-    /// the check too, but `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL`
-    /// undoes it.
+    /// it opens itself to read committed. But it cannot set those of a pool it did not build.
+    /// Under repeatable read or serializable, a write that waited for a takeover would get a
+    /// serialization failure (SQLSTATE 40001) instead of [`Error::LeaseLost`]. So
+    /// [`Builder::open`] refuses a pool whose connections default to either. The error is
+    /// [`Error::InvalidConfig`] with field `"pool"`.
+    ///
+    /// Where the database or role sets a stricter default, give the pool's connections
+    /// `-c default_transaction_isolation=read\ committed` in their options. The backslash keeps
+    /// the space in the value. A `post_create` hook that runs `SET SESSION CHARACTERISTICS AS
+    /// TRANSACTION ISOLATION LEVEL READ COMMITTED` passes the check too. But
+    /// `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL` undoes it. See
+    /// [Isolation](https://github.com/pgfence/pgfence/blob/main/docs/design.md#isolation)
+    /// in docs/design.md.
     pub fn builder_from_pool(pool: Pool) -> Builder {
         Builder::new(Source::Pool(pool))
     }
@@ -331,39 +347,47 @@ impl PgKvStore {
         self.exec.table.display()
     }
 
-    /// Watches the lease: `Held` until it is lost (`Lost { reason }`, permanent) or given up
-    /// (`Released`; `Abandoned` when the store stopped but could not release it). Await `changed()`
-    /// on it to learn of a loss the moment it is known.
+    /// Watches the lease. It is `Held` until it is lost (`Lost { reason }`, for good) or given
+    /// up. A lease given up is `Released`, or `Abandoned` when the store stopped but could not
+    /// release it. Await `changed()` on it to learn of a loss the moment it is known.
     pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
         self.exec.lease.subscribe()
     }
 
-    /// The lease row as the database sees it now (holder, epoch, time left). It reads the
-    /// database whatever this store's state: after a loss it shows the new holder. After
-    /// `close()` it needs a pool that is still open (the store closes a pool it built itself).
+    /// The lease row as the database sees it now: holder, epoch, time left. It reads the
+    /// database whatever this store's state, so after a loss it shows the new holder. After
+    /// `close()` it needs a pool that is still open. The store closes a pool it built itself.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
         let client = self.exec.pool.get().await.map_err(Error::pool("read lease"))?;
         schema::lease_info(&**client, &self.exec.statements).await
     }
 
-    /// Closes the store: new operations get [`Error::Closed`] (including `write`/`remove`
-    /// futures created earlier but not yet polled); operations already running finish
-    /// (including mutations still waiting for their key's turn or for a shared statement),
-    /// waiting at most `drop_timeout` for them; renewal stops and the lease is released by
-    /// owner id (expired now; the epoch counter is kept), so another store can open at once.
-    /// Returns the release's result, or [`Error::Timeout`] if operations were still running
-    /// (those that need a connection after that get [`Error::Closed`]).
-    /// Closing again returns `Ok` once nothing runs any more (while operations still hang, it
-    /// waits `drop_timeout` for them too and returns `Timeout`).
+    /// Closes the store, in this order:
     ///
-    /// After a loss, the lost lease's row is released too, by owner id (a successor's lease is
-    /// never touched), if the renewal thread's own attempts have not done it yet; the result is
-    /// that release's: `Ok` when the row is released or was no longer this store's. The loss
-    /// itself was reported by the operations and [`PgKvStore::lease_state`]. Except under
-    /// [`crate::LeaseLossPolicy::Panic`] when renewal found the loss: the renewal thread ended
-    /// with its panic after a single attempt to release, and nothing releases the lease any
-    /// more (if that attempt failed, it expires by TTL), so `close()` returns
-    /// [`Error::LeaseLost`].
+    /// 1. New operations get [`Error::Closed`]. That includes `write`/`remove` futures created
+    ///    earlier but not yet polled.
+    /// 2. Operations already running finish, waited for at most `drop_timeout`. That includes
+    ///    mutations still waiting for their key's turn or for a shared statement.
+    /// 3. Renewal stops.
+    /// 4. The lease is released by owner id: expired now, with the epoch counter kept. So
+    ///    another store can open at once.
+    ///
+    /// It returns the release's result. It returns [`Error::Timeout`] if operations were still
+    /// running; those that need a connection after that get [`Error::Closed`]. Closing again
+    /// returns `Ok` once nothing runs any more. While operations still hang, it waits
+    /// `drop_timeout` for them too and returns `Timeout`.
+    ///
+    /// # After a loss
+    ///
+    /// The lost lease's row is released too, by owner id, if the renewal thread has not done
+    /// it yet. A successor's lease is never touched. The result is that release's: `Ok` when
+    /// the row is released or was no longer this store's. The loss itself was reported by the
+    /// operations and by [`PgKvStore::lease_state`].
+    ///
+    /// One exception: under [`crate::LeaseLossPolicy::Panic`], when renewal found the loss.
+    /// The renewal thread then ended with its panic after a single attempt to release. Nothing
+    /// releases the lease any more; if that attempt failed, it expires by TTL. So `close()`
+    /// returns [`Error::LeaseLost`].
     pub async fn close(&self) -> Result<()> {
         self.exec.close().await
     }
@@ -423,8 +447,8 @@ mod db_tests {
     use pgfence_testing::{Proxy, TestServer, unique_name};
 
     /// After a loss found by an operation, the release is retried on a new connection when the
-    /// renewal thread's own one went silent (a proxy holds back all its traffic; new
-    /// connections get through): the lease is released within seconds, not at its expiry.
+    /// renewal thread's own one went silent. Here a proxy holds back all its traffic, while new
+    /// connections get through. The lease is released within seconds, not at its expiry.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn release_after_a_loss_does_not_wait_on_a_silent_connection() {
         let server = TestServer::shared().unwrap();

@@ -238,12 +238,12 @@ async fn open_here(
     })
 }
 
-/// A store on a pool passed in runs its mutations on connections it did not open, so it cannot
-/// set them to read committed as it does its own (see `sql::READ_COMMITTED`; the renewal
-/// thread sets its own connection of the pool). It refuses a pool whose connections default to
-/// repeatable read or serializable, rather than meet a serialization failure where a write
-/// should report the takeover it waited for as a lost lease. Read uncommitted is read committed
-/// in PostgreSQL.
+/// A store on a pool passed in runs its mutations on connections it did not open. So it
+/// cannot set them to read committed as it does its own (see `sql::READ_COMMITTED`). The
+/// renewal thread sets its own connection of the pool. The store refuses a pool whose
+/// connections default to repeatable read or serializable. Otherwise a write that waited for a
+/// takeover would meet a serialization failure, not report a lost lease. Read uncommitted is
+/// read committed in PostgreSQL.
 async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
     let level: String = client
         .query_one(sql::DEFAULT_ISOLATION, &[])
@@ -316,12 +316,15 @@ fn is_abandoned(caller: &mut oneshot::Receiver<()>) -> bool {
     caller.try_recv() != Err(oneshot::error::TryRecvError::Empty)
 }
 
-/// After a setup whose commit went unanswered (its connection broke): that commit may have
-/// taken the lease, and no store would renew or release it, so it would stay held by nobody
-/// until it expires (a standby retrying would wait for it). Ends the setup's server process,
-/// waits until it is gone (its transaction is decided then: a release before that could miss
-/// a commit still on its way), and releases the lease by the setup's owner id, which matches
-/// nothing if the commit did not happen. Best effort: the lease expires by its TTL otherwise.
+/// Cleans up after a setup whose commit went unanswered because its connection broke.
+///
+/// That commit may have taken the lease, and no store would renew or release it. So it would
+/// stay held by nobody until it expires, and a standby retrying would wait for it.
+///
+/// So this ends the setup's server process and waits until it is gone. Its transaction is
+/// decided then; a release before that could miss a commit still on its way. It then releases
+/// the lease by the setup's owner id, which matches nothing if the commit did not happen. This
+/// is best effort: the lease expires by its TTL otherwise.
 async fn release_unanswered_setup(
     pool: &Pool,
     table: &TableName,

@@ -13,10 +13,11 @@ use crate::error::{Error, Result};
 use crate::exec::{Executor, admitted};
 use crate::keys::{MAX_BATCH_BYTES, check_key};
 
-/// What each operation of a batch adds to its size besides its keys, namespaces and value: the
-/// statement sends them as array elements, each with a 4-byte length. Without it, a batch of
-/// many tiny operations (some 30 million, each with a one-byte key) would pass
-/// [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB message limit.
+/// What each operation of a batch adds to its size besides its keys, namespaces and value.
+///
+/// The statement sends them as array elements, each with a 4-byte length. Without this, a batch
+/// of many tiny operations would pass [`MAX_BATCH_BYTES`] and still reach PostgreSQL's 1 GiB
+/// message limit. Some 30 million operations, each with a one-byte key, would do it.
 const BATCH_BYTES_PER_OPERATION: usize = 16;
 
 /// An atomic group of puts and removes, built with [`PgKvStore::batch`](crate::PgKvStore::batch)
@@ -24,28 +25,29 @@ const BATCH_BYTES_PER_OPERATION: usize = 16;
 ///
 /// # Guarantees
 ///
-/// - **All or nothing.** Every operation is applied in one SQL statement under one fence check
-///   (the same `FOR KEY SHARE` check on the lease row as a single `write`): either every change
-///   commits under this store's lease, or none does.
-/// - **Validation first.** Every key and value is checked as it is added, and the batch's
-///   size against [`MAX_BATCH_BYTES`] at `commit`; if any is invalid, `commit` returns that
-///   (first) error and runs no SQL: nothing is written.
+/// - **All or nothing.** Every operation is applied in one SQL statement under one fence
+///   check. That is the same `FOR KEY SHARE` check on the lease row as a single `write`. Either
+///   every change commits under this store's lease, or none does.
+/// - **Validation first.** Every key and value is checked as it is added. The batch's size is
+///   checked against [`MAX_BATCH_BYTES`] at `commit`. If any is invalid, `commit` returns the
+///   first error and runs no SQL, so nothing is written.
 /// - **Per-key order with single operations.** `commit()` takes every key's place in the
-///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). An
-///   operation of the batch whose key was already changed by a *later* call (a `write`, `remove` or
-///   another batch called after this `commit`) is dropped, since the later value must win; the rest
-///   of the batch is still applied atomically. Nothing of a batch ever overwrites a later call.
+///   per-key order when it is *called*, like [`PgKvStore::write`](crate::PgKvStore::write). A
+///   *later* call may already have changed one of the batch's keys: a `write`, `remove` or
+///   another batch called after this `commit`. That operation of the batch is dropped, since
+///   the later value must win. The rest of the batch is still applied atomically. Nothing of a
+///   batch ever overwrites a later call.
 /// - **Last op wins within a batch.** When a key appears several times, only the last put or
 ///   remove of it is applied.
 /// - **Lease loss.** If the lease is gone, `commit` returns [`Error::LeaseLost`], nothing is
 ///   written, and the store fails closed like after a failed `write`.
 ///
-/// An empty batch (or one whose every operation was superseded) runs no statement; it still
-/// fails with [`Error::Closed`] or [`Error::LeaseLost`] when the store is closed or has lost
-/// its lease.
+/// An empty batch runs no statement, and nor does one whose every operation was superseded.
+/// It still fails with [`Error::Closed`] or [`Error::LeaseLost`] when the store is closed or
+/// has lost its lease.
 ///
 /// An uncommitted batch does not keep the store alive. Dropping the last
-/// [`PgKvStore`](crate::PgKvStore) handle releases the lease even while a batch exists; its
+/// [`PgKvStore`](crate::PgKvStore) handle releases the lease even while a batch exists. Its
 /// `commit` then returns [`Error::Closed`] and writes nothing. The future `commit` returns does
 /// keep the store alive until it is done.
 #[derive(Debug)]
@@ -124,11 +126,12 @@ impl Batch {
         }
     }
 
-    /// Applies the batch atomically. Every key's place in the per-key order is taken now, in
-    /// this call; the returned future does the work and may outlive the store handle. `Ok`
-    /// means every operation that was not superseded by a later call committed, in one
-    /// transaction, under this store's lease. [`Error::Closed`] if every handle of the store
-    /// was dropped before this call.
+    /// Applies the batch atomically.
+    ///
+    /// Every key's place in the per-key order is taken now, in this call. The returned future
+    /// does the work and may outlive the store handle. `Ok` means that every operation not
+    /// superseded by a later call committed, in one transaction, under this store's lease. It
+    /// fails with [`Error::Closed`] if every handle of the store was dropped before this call.
     pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
         let Batch { exec, writes, ops, invalid } = self;
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
@@ -221,8 +224,8 @@ mod tests {
     }
 
     /// Tiny operations count what goes with them on the wire too: 16 bytes each. Counting only
-    /// their names let a batch of some 30 million one-byte keys past `MAX_BATCH_BYTES` and on
-    /// to PostgreSQL's 1 GiB message limit, which closes the connection.
+    /// their names let a batch of some 30 million one-byte keys past `MAX_BATCH_BYTES`. It then
+    /// reached PostgreSQL's 1 GiB message limit, which closes the connection.
     #[test]
     fn each_operation_counts_its_lengths_on_the_wire() {
         let three = ops(&["a", "b", "c"]);

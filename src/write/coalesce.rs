@@ -1,29 +1,36 @@
 //! Write coalescing: concurrent writes and removes of different keys share one fenced statement.
 //!
 //! Every fenced statement share-locks the one lease row. When many run at once, PostgreSQL
-//! records the concurrent lockers in a MultiXact, which costs WAL and server CPU on every
-//! write (measured with 16 writers, one statement per write: one MultiXact and 200-230 more
-//! bytes of WAL per write, 1.25-1.4x the server CPU of an unfenced upsert; see BENCHMARKS.md).
+//! records the concurrent lockers in a MultiXact. That costs WAL and server CPU on every write.
+//! Measured with 16 writers and one statement per write, each write cost one MultiXact and
+//! 200-230 more bytes of WAL. The server used 1.25-1.4x the CPU of an unfenced upsert (see
+//! BENCHMARKS.md).
+//!
 //! So at most `write_concurrency` single-key mutation statements run at once. A mutation that
-//! arrives while that many run joins a queue, and the next statement to start takes the queue
-//! (oldest first, up to [`MAX_GROUP`] mutations and [`MAX_GROUP_BYTES`] of values): one fenced
-//! statement (the same as an atomic batch's), one lease check, one commit. Below that
-//! concurrency nothing waits and every mutation runs its own statement.
+//! arrives while that many run joins a queue. The next statement to start takes the queue,
+//! oldest first, up to [`MAX_GROUP`] mutations and [`MAX_GROUP_BYTES`] of values. That is one
+//! fenced statement (the same as an atomic batch's), one lease check and one commit. Below that
+//! concurrency nothing waits, and every mutation runs its own statement.
 //!
 //! Fencing is unchanged: a queued mutation commits only inside a statement guarded by the
-//! lease CTE, like any other. Per-key order is unchanged: a mutation joins the queue holding
-//! its key's turn, and keeps it until its statement has finished, so the queue never holds two
-//! mutations of one key, and nothing later of the key can run in between.
+//! lease CTE, like any other. Per-key order is unchanged too. A mutation joins the queue
+//! holding its key's turn, and keeps it until its statement has finished. So the queue never
+//! holds two mutations of one key, and nothing later of the key can run in between.
 //!
-//! Errors: a group's statement that fails leaves every mutation of the group to run again on
-//! its own (writes are idempotent under a held turn), so each caller gets the error of its own
-//! mutation, and one failing mutation cannot fail the others. Each re-run waits for a statement
-//! permit like any other, so `write_concurrency` bounds them too. A lost lease or a closed store
-//! fails each of them at once, before any SQL. A statement that may have committed (its
-//! connection broke after it was sent, and its retries did not settle it) is not run again:
-//! each caller gets `LeaseLost` with `WriteOutcomeUnknown`; nor is one that failed with a lost
-//! lease (abandoned unanswered at the local deadline, say): each caller gets that `LeaseLost`,
-//! also if the store was closed meanwhile.
+//! Errors:
+//!
+//! - A group's statement that fails leaves every mutation of the group to run again on its
+//!   own. Writes are idempotent under a held turn. So each caller gets the error of its own
+//!   mutation, and one failing mutation cannot fail the others.
+//! - Each re-run waits for a statement permit like any other. So `write_concurrency` bounds
+//!   the re-runs too.
+//! - A lost lease or a closed store fails each of them at once, before any SQL.
+//! - A statement that may have committed is not run again: each caller gets `LeaseLost` with
+//!   `WriteOutcomeUnknown`. It may have committed if its connection broke after it was sent,
+//!   and its retries did not settle it.
+//! - Nor is a statement that failed with a lost lease run again. Each caller gets that
+//!   `LeaseLost`, also if the store was closed meanwhile. A statement abandoned unanswered at
+//!   the local deadline is an example.
 
 use std::sync::Mutex;
 
@@ -79,11 +86,12 @@ impl Coalescer {
         position.map(|i| queue.remove(i)).is_some()
     }
 
-    /// Takes the oldest queued mutations, as many as one statement should carry: at least one,
-    /// at most [`MAX_GROUP`] and, past the first, at most [`MAX_GROUP_BYTES`] of values. The
-    /// rest stay queued for the next statement. Takes nothing unless `own` (the caller's key)
-    /// is still queued: a caller whose mutation is already in a statement leaves the queue to
-    /// the callers still in it.
+    /// Takes the oldest queued mutations, as many as one statement should carry.
+    ///
+    /// That is at least one, at most [`MAX_GROUP`] and, past the first, at most
+    /// [`MAX_GROUP_BYTES`] of values. The rest stay queued for the next statement. It takes
+    /// nothing unless `own`, the caller's key, is still queued. A caller whose mutation is
+    /// already in a statement leaves the queue to the callers still in it.
     fn take_group(&self, own: &KeyPath) -> Vec<Queued> {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         if !queue.iter().any(|queued| queued.path == *own) {
@@ -104,8 +112,9 @@ impl Coalescer {
         queue.drain(..len).collect()
     }
 
-    /// Applies one mutation while the caller holds its key's turn: in a statement of its own
-    /// when one is free, otherwise together with the others waiting. `Ok` means committed.
+    /// Applies one mutation while the caller holds its key's turn. It runs in a statement of
+    /// its own when one is free, otherwise together with the others waiting. `Ok` means
+    /// committed.
     pub(crate) async fn apply(
         &self,
         exec: &Executor,
@@ -218,13 +227,17 @@ impl Coalescer {
 }
 
 /// The queued mutations a statement carries, until their callers are told its outcome.
-/// Dropped before that (the task running the statement was dropped: its runtime shut down), it
-/// tells them what can be known. If the statement may have been sent, the task's own guard in
-/// `Executor::run` (`exec::OutcomePending`, dropped first) has marked the lease lost (or, after a
-/// release, recorded the unknown outcome: run alone then, each would get `Closed`), and the
-/// callers learn that their outcome is unknown (their channel closes). Otherwise nothing of the
-/// statement can ever land, and each caller gets its mutation back to run on its own, as after
-/// a failed shared statement: the store need not fail closed for a statement that never ran.
+///
+/// It may be dropped before that, when the task running the statement was dropped because its
+/// runtime shut down. It then tells the callers what can be known:
+///
+/// - If the statement may have been sent, the task's own guard in `Executor::run`
+///   (`exec::OutcomePending`, dropped first) has marked the lease lost. After a release, that
+///   guard recorded the unknown outcome instead; run alone then, each would get `Closed`. The
+///   callers learn that their outcome is unknown: their channel closes.
+/// - Otherwise nothing of the statement can ever land. Each caller gets its mutation back to
+///   run on its own, as after a failed shared statement. The store need not fail closed for a
+///   statement that never ran.
 struct Carried<'a> {
     lease: &'a Lease,
     group: Vec<Queued>,
@@ -242,11 +255,17 @@ impl Drop for Carried<'_> {
 }
 
 /// Held by a caller from queueing its mutation until it has the report of the statement that
-/// carried it. Dropped before that (the caller's task was dropped: its runtime shut down), it
-/// withdraws the mutation if it is still queued, and lets it go if its own statement carried it
-/// and was never sent (see [`Carried`]); if a statement may carry it, that statement may commit
-/// it after a later call of the key (whose turn is gone with the task), so the store fails
-/// closed, as for a statement of one's own (see `exec::OutcomePending`).
+/// carried it.
+///
+/// It may be dropped before that, when the caller's task was dropped because its runtime shut
+/// down. Then:
+///
+/// - A mutation still queued is withdrawn.
+/// - A mutation carried by the caller's own statement, never sent, is let go (see
+///   [`Carried`]).
+/// - A mutation that a statement may carry makes the store fail closed, as for a statement of
+///   one's own (see `exec::OutcomePending`). That statement may commit it after a later call of
+///   the key, whose turn is gone with the task.
 struct Waiting<'a> {
     coalescer: &'a Coalescer,
     lease: &'a Lease,

@@ -1,7 +1,12 @@
-//! The write path: per-key call order ([`ordering`]), statements shared by concurrent
-//! mutations ([`coalesce`]), atomic batches ([`batch`]), and the fenced statements they all end
-//! in ([`statement`]). A `write` goes: [`Writes::ticket`] when called, [`Writes::mutate`] when
-//! polled, then [`coalesce::Coalescer::apply`], [`statement::apply_alone`] and
+//! The write path, in four parts:
+//!
+//! - per-key call order ([`ordering`]);
+//! - statements shared by concurrent mutations ([`coalesce`]);
+//! - atomic batches ([`batch`]);
+//! - the fenced statements they all end in ([`statement`]).
+//!
+//! A `write` takes [`Writes::ticket`] when called and runs [`Writes::mutate`] when polled.
+//! It then goes through [`coalesce::Coalescer::apply`], [`statement::apply_alone`] and
 //! [`Executor::fenced`](crate::exec::Executor::fenced).
 
 pub(crate) mod batch;

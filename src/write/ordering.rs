@@ -1,15 +1,18 @@
 //! Per-key write ordering, fixed when a method is called rather than when its future runs.
 //!
 //! Every mutation of a key takes a version number synchronously, in the call to `write` or
-//! `remove`. When its future runs it takes the key's async lock and applies its change only if
-//! no later version has been applied yet; otherwise it was superseded and returns `Ok` without
-//! touching the database (the later call's value is the one the caller asked for last), unless
-//! the store has lost its lease meanwhile: then it fails closed like every operation. So
-//! whatever order futures are polled or complete in, the key ends in the state of the last
-//! call that succeeded, and an earlier call can never overwrite a later one.
+//! `remove`. When its future runs, it takes the key's async lock. It applies its change only if
+//! no later version has been applied yet.
 //!
-//! The key lock is held across the whole statement, including retries of a statement whose
-//! outcome is unknown: a retry can therefore never land after a later call's write.
+//! Otherwise it was superseded and returns `Ok` without touching the database. The later
+//! call's value is the one the caller asked for last. The exception is a store that lost its
+//! lease meanwhile: then it fails closed like every operation.
+//!
+//! So whatever order futures are polled or complete in, the key ends in the state of the last
+//! call that succeeded. An earlier call can never overwrite a later one.
+//!
+//! The key lock is held across the whole statement. That includes retries of a statement
+//! whose outcome is unknown. So a retry can never land after a later call's write.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,9 +21,11 @@ use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
 use crate::error::KeyPath;
 
-/// The versions and locks of keys with mutations in flight. An entry lives while tickets of
-/// its key exist: counted explicitly under the map lock (not with `Arc::strong_count`, which
-/// changes outside it), so concurrent drops can never leave an entry behind.
+/// The versions and locks of keys with mutations in flight.
+///
+/// An entry lives while tickets of its key exist. They are counted explicitly under the map
+/// lock, not with `Arc::strong_count`, which changes outside it. So concurrent drops can never
+/// leave an entry behind.
 #[derive(Debug, Default)]
 pub(crate) struct KeyOrder {
     slots: Mutex<HashMap<KeyPath, Slot>>,
