@@ -57,7 +57,7 @@ impl PoolMode {
 /// It listens on `127.0.0.1` on a free port and forwards every database to the server at the
 /// `target` address. Its ini file, user list, socket directory and log live in a fresh
 /// directory `pgfence-test-bouncer-*` under [`std::env::temp_dir`]. Clients log in as
-/// [`SUPERUSER`](PgBouncer::config) without a password (`auth_type = trust`).
+/// `postgres` without a password (`auth_type = trust`).
 ///
 /// It runs as the `postgres` system user when the tests run as root: PgBouncer refuses to run
 /// as root. Dropping it stops PgBouncer and deletes its directory, waiting (bounded) until
