@@ -151,6 +151,18 @@ pub enum Error {
         /// The limit that passed.
         after: Duration,
     },
+
+    /// The connection goes through a pooler that hands server sessions out per transaction
+    /// (PgBouncer's `pool_mode = transaction` or `statement`). The store needs a session of its
+    /// own; `open()` refused before it ran anything that could end another client's session.
+    #[error(
+        "the connection goes through a pooler in {pool_mode} mode, which pgfence does not \
+         support: connect through a pooler in session mode, or directly to PostgreSQL"
+    )]
+    PoolerModeUnsupported {
+        /// The pool mode detected: `"transaction"` (PgBouncer's `statement` mode looks alike).
+        pool_mode: &'static str,
+    },
 }
 
 /// Why a store considers its lease lost. Carried by [`Error::LeaseLost`] and
@@ -308,7 +320,8 @@ impl From<Error> for std::io::Error {
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
             | Error::ValueTooLarge { .. }
-            | Error::BatchTooLarge { .. } => ErrorKind::InvalidInput,
+            | Error::BatchTooLarge { .. }
+            | Error::PoolerModeUnsupported { .. } => ErrorKind::InvalidInput,
             Error::Closed => ErrorKind::NotConnected,
             Error::Timeout { .. } => ErrorKind::TimedOut,
             Error::SchemaTooNew { .. }

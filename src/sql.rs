@@ -328,6 +328,10 @@ SELECT primary_namespace, secondary_namespace, key FROM {kv}
 pub(crate) const BACKEND_IDENTITY: &str =
     "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
 
+/// The server process serving this statement. Sent with the simple query protocol: it names
+/// no prepared statement, which a pooler in transaction mode may not keep.
+pub(crate) const BACKEND_PID: &str = "SELECT pg_backend_pid()";
+
 /// Whether this session's role may see and end the store's own sessions, which ending the
 /// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Seeing and
 /// signalling require the privileges of the session (login) user: false after `SET ROLE` to a

@@ -23,11 +23,11 @@ pub(crate) const SUPERUSER: &str = "postgres";
 
 /// How many free ports a private cluster tries before giving up. A port found free can be
 /// taken by someone else before the server binds it; that is rare, so a few tries suffice.
-const START_ATTEMPTS: usize = 5;
+pub(crate) const START_ATTEMPTS: usize = 5;
 
 /// Connect timeout of every configuration handed out here: a test waiting on a dead server
 /// fails instead of hanging.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `pg_hba.conf` of private clusters. Rules are matched top to bottom, so the password rules
 /// for [`PASSWORD_ROLE`] must come before the `trust` rules for everyone.
@@ -73,7 +73,7 @@ const PG_CTL_WAIT: Duration = Duration::from_secs(60);
 const SHUT_DOWN_WAIT: Duration = Duration::from_secs(10);
 
 /// See [`SHUT_DOWN_WAIT`].
-const REAP_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const REAP_WAIT: Duration = Duration::from_secs(5);
 
 /// The watchdog of a private cluster (see the crate docs). Arguments: `$1` the `pg_ctl`
 /// binary, `$2` the data directory, `$3` the cluster's directory to delete.
@@ -262,9 +262,9 @@ pub(crate) struct Cluster {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct SystemUser {
-    uid: u32,
-    gid: u32,
+pub(crate) struct SystemUser {
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
 }
 
 #[derive(Debug)]
@@ -623,7 +623,7 @@ impl Drop for Cluster {
 }
 
 /// Calls `done` every 10 ms until it returns true or `limit` has passed.
-fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) {
+pub(crate) fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !done() && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(10));
@@ -677,13 +677,13 @@ fn find_bin_dir() -> io::Result<PathBuf> {
     })
 }
 
-fn is_executable(path: &Path) -> bool {
+pub(crate) fn is_executable(path: &Path) -> bool {
     fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// `None` when we may run the server ourselves; the `postgres` system user when we are root,
 /// which PostgreSQL refuses to run as.
-fn server_user() -> io::Result<Option<SystemUser>> {
+pub(crate) fn server_user() -> io::Result<Option<SystemUser>> {
     if effective_uid()? != 0 {
         return Ok(None);
     }
@@ -733,7 +733,7 @@ fn effective_uid() -> io::Result<u32> {
         .map_err(|_| io::Error::other("could not find out the user id (`id -u`)"))
 }
 
-fn free_port() -> io::Result<u16> {
+pub(crate) fn free_port() -> io::Result<u16> {
     // The port is free now; the server binds it a moment later, and `start_on_free_port`
     // retries in the rare case someone took it in between.
     Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
@@ -754,7 +754,7 @@ fn run(command: &mut Command, what: &str) -> io::Result<()> {
 }
 
 /// The last lines of the server log written since byte `from`.
-fn log_tail(path: &Path, from: u64) -> String {
+pub(crate) fn log_tail(path: &Path, from: u64) -> String {
     const MAX_BYTES: u64 = 8 * 1024;
     let Ok(mut file) = fs::File::open(path) else {
         return "(no server log)".to_owned();
@@ -768,6 +768,6 @@ fn log_tail(path: &Path, from: u64) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-fn annotate(error: io::Error, context: String) -> io::Error {
+pub(crate) fn annotate(error: io::Error, context: String) -> io::Error {
     io::Error::new(error.kind(), format!("{context}: {error}"))
 }

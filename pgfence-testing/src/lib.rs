@@ -10,6 +10,8 @@
 //! - [`TestCluster`] is a private cluster owned by one test, for tests that stop or restart the
 //!   server; [`TestCluster::start_tls`] makes one that takes TCP connections over TLS only, and
 //!   logs [`CERT_ROLE`] in by client certificate alone.
+//! - [`PgBouncer`] is a private PgBouncer in session or transaction mode in front of a test
+//!   server.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
@@ -62,10 +64,12 @@ use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
 
 mod cluster;
+mod pgbouncer;
 mod proxy;
 mod server;
 
 pub use cluster::TestCluster;
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use proxy::Proxy;
 pub use server::TestServer;
 

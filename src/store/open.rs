@@ -93,6 +93,9 @@ async fn open_here(
     // pooled connection that went silent while idle (a middlebox that hung) then costs this
     // attempt, which a standby retries, instead of holding it up for good.
     let checks = async {
+        // First: the checks below and the setup use prepared statements, and ending a
+        // session by pid is only safe with a session of our own.
+        check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
         if let Source::Pool(_) = &builder.source {
             check_pool_isolation(&client).await?;
         }
@@ -261,6 +264,63 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
              connection option `-c default_transaction_isolation=read\\ committed`"
         ),
     ))
+}
+
+/// Refuses a connection through a pooler that hands server sessions out per transaction
+/// (PgBouncer's transaction or statement mode). The store relies on a session of its own: its
+/// prepared statements live in it, and a write whose outcome is unknown is settled by ending
+/// that session's server process by pid. Behind such a pooler that process may serve another
+/// client.
+///
+/// Only session state can tell, and setting any would leak into the pooler's shared server
+/// sessions. So this compares server process ids, which change nothing (simple protocol: no
+/// prepared statement either). `client` asks for its pid `p`; a second connection of the pool
+/// asks for its own; then `client` asks again. Directly or through a session pooler, `client`
+/// keeps server process `p` for as long as it is connected, so no other connection can be
+/// served by `p`, and `client` never sees another pid. Either observation is therefore proof of
+/// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
+/// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
+/// that is not busy the second connection gets `p`.
+async fn check_own_session(
+    pool: &Pool,
+    config: Option<&tokio_postgres::Config>,
+    tls: &connect::Tls,
+    client: &tokio_postgres::Client,
+) -> Result<()> {
+    let operation = "check for a transaction pooler";
+    let first = backend_pid(client).await.map_err(Error::db(operation))?;
+    // A spare connection of the pool, else (pool size 1) one of its own if the store has the
+    // configuration. Never a wait for the pool: a caller's pool of one would wait for
+    // `client`, which it never gets back.
+    let status = pool.status();
+    let other = if status.available > 0 || status.size < status.max_size {
+        let other = pool.get().await.map_err(Error::pool(operation))?;
+        Some(backend_pid(&other).await.map_err(Error::db(operation))?)
+    } else if let Some(config) = config {
+        let (other, _task) =
+            tls.connect(config, "pooler check", None).await.map_err(Error::db(operation))?;
+        Some(backend_pid(&other).await.map_err(Error::db(operation))?)
+    } else {
+        None
+    };
+    let again = backend_pid(client).await.map_err(Error::db(operation))?;
+    if other == Some(first) || again != first {
+        return Err(Error::PoolerModeUnsupported { pool_mode: "transaction" });
+    }
+    Ok(())
+}
+
+/// `pg_backend_pid()` over the simple query protocol (see `sql::BACKEND_PID`).
+async fn backend_pid(
+    client: &tokio_postgres::Client,
+) -> std::result::Result<i32, tokio_postgres::Error> {
+    let messages = client.simple_query(sql::BACKEND_PID).await?;
+    let pid = messages.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).and_then(|pid| pid.parse().ok()),
+        _ => None,
+    });
+    // PostgreSQL always answers with one integer; 0 never names a process.
+    Ok(pid.unwrap_or(0))
 }
 
 /// A connection of the pool, creating the database first if it does not exist (and the role

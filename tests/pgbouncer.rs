@@ -1,0 +1,128 @@
+//! pgfence through a real PgBouncer (`pgfence_testing::PgBouncer`) in front of the shared test
+//! server. Session mode is supported: the conformance suite, a standby handoff and a takeover
+//! after expiry run through it. Transaction mode is refused at `open()`, before the store
+//! creates anything or could end a server session that is not its own.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::conformance::{Native, SUITE_LIMIT, Setup, check_contract};
+use common::{admin, lease_table, table, table_exists, within};
+use pgfence::{Error, PgKvStore, StandbyState};
+use pgfence_testing::{PgBouncer, PoolMode};
+
+/// Long enough that an acquisition soon after a release proves the release, not an expiry.
+const TTL: Duration = Duration::from_secs(30);
+
+/// A PgBouncer in `mode` in front of the shared test server.
+fn bouncer(mode: PoolMode) -> PgBouncer {
+    let server = common::server();
+    let addr = server.tcp_addr().expect("the test server's TCP address");
+    let bouncer = PgBouncer::start(addr, mode).expect("start pgbouncer");
+    assert_eq!(bouncer.mode(), mode);
+    bouncer
+}
+
+/// A builder of a store on `t` that connects through `bouncer`.
+fn via(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
+    PgKvStore::builder_from_config(bouncer.config_via(&common::server().config()))
+        .table(t)
+        .pool_size(4)
+        .lease_ttl(TTL)
+        .renew_interval(Duration::from_secs(5))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_through_pgbouncer_in_session_mode() {
+    let bouncer = bouncer(PoolMode::Session);
+    let config = bouncer.config_via(&common::server().config());
+    let setup = Setup {
+        facade: Box::new(Native),
+        builder: Box::new(move |table| {
+            PgKvStore::builder_from_config(config.clone())
+                .table(table)
+                .pool_size(4)
+                .lease_ttl(Duration::from_secs(15))
+                .renew_interval(Duration::from_secs(3))
+        }),
+        schema: None,
+        page_size: Some(7),
+    };
+    let run = tokio::time::timeout(SUITE_LIMIT, check_contract(&setup));
+    run.await.unwrap_or_else(|_| panic!("the conformance suite hung for {SUITE_LIMIT:?}"));
+}
+
+/// A holder's `close()` wakes a standby through the pooler (LISTEN/NOTIFY on its own session)
+/// at once, not after the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_handoff_through_pgbouncer_in_session_mode() {
+    let bouncer = bouncer(PoolMode::Session);
+    let t = table("bouncer_handoff");
+    let active = via(&bouncer, &t).application_name("active").open().await.unwrap();
+    let standby = via(&bouncer, &t).application_name("standby").standby();
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+        .await
+        .unwrap();
+    active.write("p", "s", "k", b"first".to_vec()).await.unwrap();
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let took = released.elapsed();
+    assert!(took < TTL / 2, "woken by the release, not by the expiry: {took:?}");
+    assert_eq!(store.fencing_token(), 2);
+    assert_eq!(store.read("p", "s", "k").await.unwrap(), b"first");
+    store.write("p", "s", "k", b"second".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
+
+/// A holder that stopped renewing is taken over through the pooler right after its lease
+/// expired, never before; its fencing token is then stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeover_after_expiry_through_pgbouncer_in_session_mode() {
+    let bouncer = bouncer(PoolMode::Session);
+    let t = table("bouncer_crash");
+    via(&bouncer, &t).open().await.unwrap().close().await.unwrap();
+    // A crashed owner: a lease row that nobody renews, expiring in 2 s.
+    let sql = format!(
+        "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
+                expires_at = clock_timestamp() + interval '2 seconds' WHERE id = 1",
+        lease_table(&t)
+    );
+    admin().await.execute(&sql, &[]).await.unwrap();
+    let started = Instant::now();
+    let store = within("takeover", via(&bouncer, &t).open_when_available()).await.unwrap();
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
+    assert_eq!(store.fencing_token(), 3);
+    store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
+
+/// Behind a pooler in transaction mode `open()` fails with a typed error naming the mode and
+/// what to use instead, before the setup: no table is created and no lease taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_mode_is_refused_at_open() {
+    let bouncer = bouncer(PoolMode::Transaction);
+    for pool_size in [4, 1] {
+        let t = table("bouncer_txn");
+        let opened = within("open", via(&bouncer, &t).pool_size(pool_size).open()).await;
+        let e = opened.expect_err("a transaction pooler is refused");
+        assert!(
+            matches!(e, Error::PoolerModeUnsupported { pool_mode: "transaction" }),
+            "pool size {pool_size}: {e:?}"
+        );
+        let message = e.to_string();
+        assert!(message.contains("transaction mode"), "{message}");
+        assert!(message.contains("session mode"), "{message}");
+        assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::InvalidInput);
+        let db = admin().await;
+        assert!(!table_exists(&db, &t).await, "refused before the setup");
+    }
+    // A standby is refused the same way, instead of waiting.
+    let t = table("bouncer_txn_standby");
+    let opened = within("standby", via(&bouncer, &t).standby().open()).await;
+    assert!(matches!(opened, Err(Error::PoolerModeUnsupported { .. })), "{opened:?}");
+}
