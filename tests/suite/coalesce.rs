@@ -2,7 +2,7 @@
 //! statements are busy share one fenced statement, and each caller still gets its own result,
 //! its own per-key order and the fence.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

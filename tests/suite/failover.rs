@@ -1,7 +1,7 @@
 //! Standby acquisition (LISTEN/NOTIFY handoff, crash takeover, timeout, cancellation) and the
 //! read-only inspector's break-glass release.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

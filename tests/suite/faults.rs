@@ -3,7 +3,7 @@
 //! bounds a blocked operation without costing the lease. And retries that end in an error
 //! after a write may have committed, where the store fails closed.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! Bad input and bad configuration get typed errors before any SQL runs; nothing is changed.
 
-mod common;
+use crate::common;
 
 use std::io::ErrorKind;
 use std::time::Duration;
