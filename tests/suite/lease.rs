@@ -766,7 +766,8 @@ async fn lost_lease_is_only_released_never_renewed() {
 const RELEASE_STOPPED: &str =
     "pgfence lease release kept failing until the lease's database expiry; stopped trying";
 
-/// README, "Renewal": "A release that fails (the database still unreachable) is retried about
+/// docs/design.md, "Renewal":
+/// "A release that fails (the database still unreachable) is retried about
 /// every second until one succeeds or the lease's database expiry has passed". A holder cut
 /// off from the database loses its lease at the local deadline and keeps trying to release it
 /// while the network stays down. When it stops trying (it logs so), the database shows the
