@@ -31,9 +31,11 @@ pub fn observe(name: &'static str, observe: fn(&ErrorEvent)) {
     });
 }
 
+/// An observer of error events, as [`observe`] takes it.
+type Observer = fn(&ErrorEvent);
+
 /// Every observer given to [`observe`] in this process.
-static OBSERVERS: std::sync::Mutex<Vec<(&str, fn(&ErrorEvent))>> =
-    std::sync::Mutex::new(Vec::new());
+static OBSERVERS: std::sync::Mutex<Vec<(&str, Observer)>> = std::sync::Mutex::new(Vec::new());
 
 struct ErrorEvents;
 
