@@ -33,7 +33,7 @@ use tokio::runtime::Runtime;
 
 const TTL: Duration = Duration::from_secs(2);
 
-/// Every connection gets a TCP user timeout of one TTL unless the caller set one (README,
+/// Every connection gets a TCP user timeout of one TTL unless the caller set one (docs/design.md,
 /// "A partition"), "so a partition fails a statement instead of hanging it for many minutes".
 /// Behind a real partition the kernel ends a pooled connection with a query in flight no
 /// sooner than one TTL after the query was sent, and the query fails with the connection
@@ -88,7 +88,7 @@ fn partitioned_connection_fails_after_the_tcp_user_timeout_unless_one_is_set() {
 }
 
 /// A partitioned holder's write that reaches the server only after a successor took over does
-/// not commit (README, first paragraph: "a paused, partitioned or slow former owner can never
+/// not commit (docs/design.md, "Fencing": "a paused, partitioned or slow former owner can never
 /// commit after a successor took over").
 ///
 /// The holder writes once, then the network is cut and it writes again: the statement is in
@@ -323,7 +323,7 @@ fn partitioned_briefly_the_holder_keeps_its_lease_and_every_write() {
 }
 
 /// A standby cut off while it waits misses the holder's release notification, and takes over
-/// soon after the network heals, not after the holder's whole TTL (README, "Failover"). The
+/// soon after the network heals, not after the holder's whole TTL (docs/design.md, "Failover"). The
 /// cut lasts long enough for the standby's LISTEN connection to end (about a TTL of silence
 /// and an unanswered keepalive, or an unanswered liveness check), so the notification is gone
 /// with it, not merely late; the standby polls meanwhile and reconnects.

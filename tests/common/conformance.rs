@@ -669,8 +669,9 @@ where
     }
 }
 
-/// A minimal executor for one future on the calling thread, with no runtime of any kind.
-fn block_on<F: Future>(future: F) -> F::Output {
+/// A minimal executor for one future on the calling thread, with no runtime of any kind: the
+/// "plain thread" of an application without async. Also used by tests/suite/sync_support.rs.
+pub fn block_on<F: Future>(future: F) -> F::Output {
     struct Unparker(std::thread::Thread);
     impl std::task::Wake for Unparker {
         fn wake(self: Arc<Self>) {

@@ -9,22 +9,35 @@ pub struct ErrorEvent {
     pub message: String,
 }
 
-/// Installs, once per test binary, a global log subscriber that takes only the store's error
-/// events and hands each to `observe`, on the thread that logs it. Global, because a
-/// subscriber of some threads alone would not do: the renewal thread logs on a thread of its
-/// own, and tracing caches per call site whether any subscriber wants an event, in some cases
-/// by asking the subscriber of whichever thread makes the call first. A test binary has one
-/// observer: the first installed.
-pub fn observe(observe: fn(&ErrorEvent)) {
+/// Adds `observe`, under `name`, to the observers of the store's error events, and installs, once per test
+/// binary, the global log subscriber that calls them. Each event goes to every observer, on the
+/// thread that logs it. Global, because a subscriber of some threads alone would not do: the
+/// renewal thread logs on a thread of its own, and tracing caches per call site whether any
+/// subscriber wants an event, in some cases by asking the subscriber of whichever thread makes
+/// the call first. Several observers, because the modules of tests/suite share one process.
+pub fn observe(name: &'static str, observe: fn(&ErrorEvent)) {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
+    {
+        let mut observers = OBSERVERS.lock().unwrap_or_else(|e| e.into_inner());
+        // Once per name: callers add theirs before each use.
+        if !observers.iter().any(|(added, _)| *added == name) {
+            observers.push((name, observe));
+        }
+    }
     INSTALLED.call_once(|| {
-        let subscriber = tracing_subscriber::registry().with(ErrorEvents(observe));
+        let subscriber = tracing_subscriber::registry().with(ErrorEvents);
         tracing::subscriber::set_global_default(subscriber)
             .expect("the only log subscriber of this test binary");
     });
 }
 
-struct ErrorEvents(fn(&ErrorEvent));
+/// An observer of error events, as [`observe`] takes it.
+type Observer = fn(&ErrorEvent);
+
+/// Every observer given to [`observe`] in this process.
+static OBSERVERS: std::sync::Mutex<Vec<(&str, Observer)>> = std::sync::Mutex::new(Vec::new());
+
+struct ErrorEvents;
 
 fn wanted(metadata: &tracing::Metadata<'_>) -> bool {
     metadata.is_event()
@@ -54,7 +67,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorEvents {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         let mut fields = ErrorEvent::default();
         event.record(&mut fields);
-        (self.0)(&fields);
+        // A copy: an observer may block (hazards.rs pauses a thread at an event), and must
+        // not hold up the other threads' events meanwhile.
+        let observers = OBSERVERS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for (_, observe) in observers {
+            observe(&fields);
+        }
     }
 }
 

@@ -15,6 +15,15 @@ pub fn server() -> &'static TestServer {
         .expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
 }
 
+/// The name libtest gives test `name` of the module whose `module_path!()` is `module`: the path
+/// without the crate's name. For `--exact` in a child process that runs one test of this binary.
+pub fn test_path(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_crate, path)) => format!("{path}::{name}"),
+        None => name.to_owned(),
+    }
+}
+
 /// A fresh table name for one test.
 pub fn table(prefix: &str) -> String {
     unique_name(prefix)

@@ -3,7 +3,7 @@
 //! expiry check after a lock wait, a stalled contender, a hung close, a close racing the local
 //! deadline, and a loss found by renewal.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -614,7 +614,7 @@ struct Paused {
 
 impl Paused {
     fn at(pause: &Pause) -> Paused {
-        common::errors::observe(|event| {
+        common::errors::observe("hazards: pause at a logged error", |event| {
             if let Some(pause) = PAUSE_HERE.with(|here| here.borrow().clone()) {
                 pause.logged(&event.message);
             }

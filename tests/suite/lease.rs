@@ -1,7 +1,7 @@
 //! The lease: contention, setup rollback, renewal, starvation, the fence, stale owners and
 //! fail-closed renewal.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, SystemTime};
 
@@ -766,7 +766,8 @@ async fn lost_lease_is_only_released_never_renewed() {
 const RELEASE_STOPPED: &str =
     "pgfence lease release kept failing until the lease's database expiry; stopped trying";
 
-/// README, "Renewal": "A release that fails (the database still unreachable) is retried about
+/// docs/design.md, "Renewal":
+/// "A release that fails (the database still unreachable) is retried about
 /// every second until one succeeds or the lease's database expiry has passed". A holder cut
 /// off from the database loses its lease at the local deadline and keeps trying to release it
 /// while the network stays down. When it stops trying (it logs so), the database shows the
@@ -803,7 +804,7 @@ async fn lost_lease_release_retries_stop_once_its_database_expiry_has_passed() {
 static ERROR_EVENTS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
 
 fn record_error_events() {
-    common::errors::observe(|event| {
+    common::errors::observe("lease: record error events", |event| {
         let mut events = ERROR_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
         events.push((event.table.clone(), event.message.clone()));
     });
@@ -932,7 +933,8 @@ fn abort_policy_aborts_the_process() {
     for child in ["abort_policy_child", "abort_policy_renewal_child"] {
         use std::os::unix::process::ExitStatusExt;
         let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", child, "--include-ignored", "--nocapture"])
+            .args(["--exact", &common::test_path(module_path!(), child)])
+            .args(["--include-ignored", "--nocapture"])
             .env("PGFENCE_ABORT_CHILD", "1")
             .stdin(std::process::Stdio::null())
             .output()

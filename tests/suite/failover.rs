@@ -1,7 +1,7 @@
 //! Standby acquisition (LISTEN/NOTIFY handoff, crash takeover, timeout, cancellation) and the
 //! read-only inspector's break-glass release.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -231,7 +231,8 @@ async fn dropped_at_the_fence_never_takes_the_lease_later(
     next.close().await.unwrap();
 }
 
-/// README, `open()`: "Dropping the `open()` future (or a standby's `timeout`) cancels a setup
+/// docs/design.md, `open()`:
+/// "Dropping the `open()` future (or a standby's `timeout`) cancels a setup
 /// still waiting (for the setup lock, or at the fence for the old holder's writes) and commits
 /// nothing, so an abandoned attempt never takes the lease later." Here the setup waits for the
 /// setup lock, which an administrator's transaction holds as a concurrent `open()` would: the

@@ -5,7 +5,7 @@
 //! for statistics held up. The hang is `testing::Proxy`'s (`hang`, `hang_requests`), or a lock
 //! the test holds on the server.
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

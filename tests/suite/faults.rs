@@ -3,7 +3,7 @@
 //! bounds a blocked operation without costing the lease. And retries that end in an error
 //! after a write may have committed, where the store fails closed.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -270,7 +270,8 @@ async fn retries_ending_in_an_error_after_a_possible_commit_fail_closed() {
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Lost { .. }));
 }
 
-/// README, "A broken connection mid-write": "Retries, and the wait for the old process, go on
+/// docs/design.md, "A broken connection mid-write":
+/// "Retries, and the wait for the old process, go on
 /// while the lease is locally valid, for at most one TTL". Every attempt of a write loses its
 /// connection mid-statement (a trigger ends its own session, before anything commits), while
 /// renewal, on a connection of its own, keeps the lease valid. The trigger stamps each attempt
@@ -380,7 +381,8 @@ async fn a_setup_commit_whose_answer_is_lost_leaves_no_lease_behind() {
     next.close().await.unwrap();
 }
 
-/// README, `open()`: "Dropping the `open()` future [...] cancels a setup still waiting [...];
+/// docs/design.md, `open()`:
+/// "Dropping the `open()` future [...] cancels a setup still waiting [...];
 /// one whose commit was already sent opens the store, which is then dropped and releases the
 /// lease." The commit is held on the server (it waits for a synchronous standby that does not
 /// exist, committed locally) while the caller drops the `open()` future; then the wait is lifted (`synchronous_standby_names` emptied, which

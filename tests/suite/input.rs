@@ -1,6 +1,6 @@
 //! Bad input and bad configuration get typed errors before any SQL runs; nothing is changed.
 
-mod common;
+use crate::common;
 
 use std::io::ErrorKind;
 use std::time::Duration;
@@ -96,7 +96,8 @@ async fn default_max_value_size_is_64_mib() {
     store.close().await.unwrap();
 }
 
-/// README, "Fail closed": the local deadline defaults to "⅔ of the TTL after the start of the
+/// docs/design.md, "Fail closed":
+/// the local deadline defaults to "⅔ of the TTL after the start of the
 /// last confirmed renewal". Exact, seen where the effective deadline is checked: a renewal
 /// interval must be below it. Without a deadline set, at the default TTL (30 s) a renewal
 /// every 19.999 s opens and one every 20 s is refused, naming a deadline of 20,000 ms; at a

@@ -5,8 +5,8 @@
 //! migration round trip with `migrate_kv_store_data` through LDK's `FilesystemStore`.
 #![cfg(feature = "ldk")]
 
-mod common;
-mod sync_support;
+use crate::common;
+use crate::sync_support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

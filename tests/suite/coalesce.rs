@@ -2,7 +2,7 @@
 //! statements are busy share one fenced statement, and each caller still gets its own result,
 //! its own per-key order and the fence.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -259,7 +259,7 @@ async fn coalesced_calls_keep_per_key_call_order() {
     store.close().await.unwrap();
 }
 
-/// README, "Many concurrent writes": "the next statement to start takes the oldest queued
+/// docs/design.md, "Many concurrent writes": "the next statement to start takes the oldest queued
 /// [...], sorted by key, as one fenced batch statement". Observable in the rows it creates:
 /// the batch statement inserts its rows in the order of its arrays, and each new row takes the
 /// next value of the table's creation sequence (`created_seq`, which orders
@@ -291,7 +291,8 @@ async fn a_shared_statement_writes_its_mutations_in_key_order() {
     store.close().await.unwrap();
 }
 
-/// README, "Statement timeouts": "A write whose shared statement (see "Many concurrent writes") is
+/// docs/design.md, "Statement timeouts":
+/// "A write whose shared statement (see "Many concurrent writes") is
 /// cancelled this way runs again on its own, so it can be cancelled twice before its caller
 /// gets the error." With `statement_timeout` in the connection's options, a write whose
 /// statement sleeps (a trigger, for the key `slow` only) shares a statement with two others;

@@ -1,6 +1,6 @@
 //! Release: close, drop, outstanding futures, stale stores, and drop in every runtime context.
 
-mod common;
+use crate::common;
 
 use std::pin::Pin;
 use std::task::Poll;

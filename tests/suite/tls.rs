@@ -2,7 +2,7 @@
 //! on a private cluster that rejects plain TCP connections; contradictory options are refused
 //! before any connection.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

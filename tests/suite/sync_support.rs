@@ -1,15 +1,15 @@
 //! Running synchronous store calls in each context they must work in: a plain thread with no
 //! runtime, a worker of a multi-thread tokio runtime, and the only thread of a current-thread
-//! runtime. Shared by tests/blocking.rs and tests/ldk.rs.
+//! runtime. Shared by blocking.rs and ldk.rs.
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
 
 use std::future::Future;
 use std::panic;
-use std::sync::Arc;
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::Duration;
+
+use crate::common::conformance::block_on;
 
 /// Generous bound on one whole scenario (a conformance run is hundreds of statements on a busy
 /// 2-core machine). A bound against hangs, never a measurement.
@@ -89,27 +89,5 @@ pub fn guarded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'st
             Err(panic) => panic::resume_unwind(panic),
             Ok(()) => unreachable!("the thread sends before it ends"),
         },
-    }
-}
-
-struct Unparker(thread::Thread);
-
-impl Wake for Unparker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// A minimal executor for one future on the calling thread, with no runtime of any kind: the
-/// "plain thread" of an application without async.
-pub fn block_on<F: Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let waker = Waker::from(Arc::new(Unparker(thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        thread::park();
     }
 }

@@ -1,7 +1,7 @@
 //! Atomic batches: all-or-nothing, one fence check, and per-key call order shared with the
 //! single-key `write`/`remove`.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -207,7 +207,7 @@ fn killed_test_process_leaves_no_server() {
         Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "killed_test_process_leaves_no_server",
+                &crate::common::test_path(module_path!(), "killed_test_process_leaves_no_server"),
                 "--nocapture",
                 "--test-threads=1",
             ])
@@ -326,7 +326,7 @@ fn exited_test_process_leaves_no_server() {
     let output = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "exited_test_process_leaves_no_server",
+            &crate::common::test_path(module_path!(), "exited_test_process_leaves_no_server"),
             "--nocapture",
             "--test-threads=1",
         ])

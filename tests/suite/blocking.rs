@@ -3,8 +3,8 @@
 //! own promises: same errors as the async store, lease loss observable without a runtime, the
 //! `Panic` policy raised in the caller, and open/close/drop anywhere without panic or deadlock.
 
-mod common;
-mod sync_support;
+use crate::common;
+use crate::sync_support;
 
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! batches, one test per configuration: pool size 1 and N, a custom schema and mixed-case
 //! table, a current-thread runtime, and an application's existing pool.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,0 +1,29 @@
+//! The integration tests that can share one process, as one test binary: each binary links the
+//! whole library and its dependencies, so fewer binaries build faster.
+//!
+//! Each module was a test binary of its own (`tests/<name>.rs`); filter by its name
+//! (`cargo test --all-features --test suite lease::`). Separate binaries remain for what must
+//! run alone: tests/logs.rs installs a log subscriber of its own, tests/partition.rs moves
+//! threads into network namespaces, and tests/cli.rs runs the `cli`-feature binary.
+//!
+//! `lease` and `hazards` install the global error-event observer of `common::errors`: it only
+//! observes the store's error events, so the other modules run as they would without it.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod sync_support;
+
+mod batch;
+mod blocking;
+mod coalesce;
+mod conformance;
+mod failover;
+mod faults;
+mod harness;
+mod hazards;
+mod hung_server;
+mod input;
+mod ldk;
+mod lease;
+mod release;
+mod tls;
