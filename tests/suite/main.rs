@@ -25,5 +25,6 @@ mod hung_server;
 mod input;
 mod ldk;
 mod lease;
+mod pgbouncer;
 mod release;
 mod tls;

@@ -3,7 +3,7 @@
 //! after expiry run through it. Transaction mode is refused at `open()`, before the store
 //! creates anything or could end a server session that is not its own.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
