@@ -398,9 +398,9 @@ impl tracing::field::Visit for EventText {
     }
 }
 
-/// The standby's warnings (every `pgfence::failover` warning but the force release's).
+/// The standby's warnings (every `pgfence::standby` warning).
 fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
-    event.target() == "pgfence::failover"
+    event.target() == "pgfence::standby"
         && *event.level() == tracing::Level::WARN
         && event.fields().field("holder").is_none()
 }
@@ -412,11 +412,13 @@ fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
 /// gives its events no stable names.
 fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
-    match event.target() {
-        "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
-        "pgfence::failover" => *event.level() == tracing::Level::WARN,
-        _ => false,
+    // Targets are module paths: the lease's events come from its submodules.
+    let target = event.target();
+    if target == "pgfence::lease" || target.starts_with("pgfence::lease::") {
+        return *event.level() == tracing::Level::ERROR && has("reason");
     }
+    matches!(target, "pgfence::standby" | "pgfence::inspect")
+        && *event.level() == tracing::Level::WARN
 }
 
 fn fail(exit: Exit) -> ExitCode {
