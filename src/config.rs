@@ -111,6 +111,35 @@ const TOKIO_POSTGRES_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60
 const MAX_KEEPALIVES_IDLE: Duration = Duration::from_secs(32_767);
 
 impl Builder {
+    /// A builder for the server that libpq's environment names, as `psql` would connect.
+    /// `url`'s parameters win, and the environment fills what it leaves out: `PGHOST`,
+    /// `PGPORT`, `PGUSER`, `PGDATABASE`, `PGPASSWORD` (else `PGPASSFILE` or `~/.pgpass`),
+    /// `PGAPPNAME`, `PGCONNECT_TIMEOUT` (as [`Builder::connect_timeout`]), and `PGSSLMODE`,
+    /// `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY` (as [`Builder::tls`]).
+    ///
+    /// Prefer the environment or a password file to a password in `url`: `ps` and shell
+    /// history show command lines. TLS is always verified, so `PGSSLMODE=require` needs
+    /// `PGSSLROOTCERT` (or `~/.postgresql/root.crt`). See [`crate::env`] for the details and
+    /// the differences from libpq.
+    ///
+    /// Fails with [`Error::InvalidConfig`] when the string, a variable or a TLS file is not
+    /// usable. Warnings (an ignored password file) are logged at warn level.
+    pub fn from_env(url: Option<&str>) -> Result<Builder> {
+        let var = |name: &str| std::env::var(name).ok();
+        let resolved = crate::env::resolve(url, crate::env::TlsOptions::default(), &var)?;
+        for warning in &resolved.warnings {
+            tracing::warn!(target: "pgfence::env", "{warning}");
+        }
+        let mut builder = Builder::new(Source::Config(Box::new(resolved.config)));
+        if let Some(timeout) = resolved.connect_timeout {
+            builder = builder.connect_timeout(timeout);
+        }
+        if let Some(tls) = resolved.tls.client_config()? {
+            builder = builder.tls(tls);
+        }
+        Ok(builder)
+    }
+
     pub(crate) fn new(source: Source) -> Builder {
         Builder {
             source,

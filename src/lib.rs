@@ -17,6 +17,7 @@ mod sql;
 // Connections, options, the lease and the schema setup.
 mod config;
 mod connect;
+pub mod env;
 mod lease;
 mod schema;
 

@@ -7,9 +7,6 @@
 //! exit code; nothing panics.
 #![forbid(unsafe_code)]
 
-#[path = "pgfence/libpq_env.rs"]
-mod libpq_env;
-
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
@@ -401,7 +398,7 @@ impl tracing::field::Visit for EventText {
     }
 }
 
-/// The standby's warnings.
+/// The standby's warnings (every `pgfence::standby` warning).
 fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
     event.target() == "pgfence::standby" && *event.level() == tracing::Level::WARN
 }
@@ -413,11 +410,13 @@ fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
 /// gives its events no stable names.
 fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
-    match event.target() {
-        "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
-        "pgfence::standby" | "pgfence::inspect" => *event.level() == tracing::Level::WARN,
-        _ => false,
+    // Targets are module paths: the lease's events come from its submodules.
+    let target = event.target();
+    if target == "pgfence::lease" || target.starts_with("pgfence::lease::") {
+        return *event.level() == tracing::Level::ERROR && has("reason");
     }
+    matches!(target, "pgfence::standby" | "pgfence::inspect")
+        && *event.level() == tracing::Level::WARN
 }
 
 fn fail(exit: Exit) -> ExitCode {
@@ -494,69 +493,29 @@ fn edit_distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
-/// The TLS client configuration of `--tls-root-cert` or `PGSSLROOTCERT` (trusting exactly the
-/// certificates in that PEM file) and, if given, the client certificate and key; `None`
-/// without certificate authorities.
-fn tls_config(files: &libpq_env::TlsFiles) -> Result<Option<pgfence::rustls::ClientConfig>, Exit> {
-    use pgfence::rustls::pki_types::{PrivateKeyDer, pem::PemObject};
-    let Some(root_path) = &files.root_cert else { return Ok(None) };
-    let mut roots = pgfence::rustls::RootCertStore::empty();
-    for cert in pem_certs("--tls-root-cert", root_path)? {
-        roots.add(cert).map_err(|e| bad_file("--tls-root-cert", root_path, e))?;
-    }
-    let Some((cert_path, key_path)) = &files.client else {
-        return Ok(Some(pgfence::tls_client_config(roots)));
-    };
-    let chain = pem_certs("--tls-cert", cert_path)?;
-    let key =
-        PrivateKeyDer::from_pem_file(key_path).map_err(|e| bad_file("--tls-key", key_path, e))?;
-    Ok(Some(pgfence::tls_client_config_with_cert(roots, chain, key)?))
-}
-
-/// The certificates in the PEM file `path` given as `option`; at least one.
-fn pem_certs(
-    option: &str,
-    path: &std::path::Path,
-) -> Result<Vec<pgfence::rustls::pki_types::CertificateDer<'static>>, Exit> {
-    use pgfence::rustls::pki_types::{CertificateDer, pem::PemObject};
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| bad_file(option, path, e))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad_file(option, path, e))?;
-    if certs.is_empty() {
-        return Err(bad_file(option, path, "no certificate in it"));
-    }
-    Ok(certs)
-}
-
-fn bad_file(option: &str, path: &std::path::Path, reason: impl std::fmt::Display) -> Exit {
-    Exit::usage(format!("{option} {}: {reason}", path.display()))
-}
-
 async fn run(cli: Cli) -> Result<(), Exit> {
     let url = cli.database_url.as_deref().filter(|u| !u.is_empty());
     let var = |name: &str| std::env::var(name).ok();
     let names_a_server =
-        libpq_env::SERVER_VARIABLES.iter().any(|name| var(name).is_some_and(|v| !v.is_empty()));
+        pgfence::env::SERVER_VARIABLES.iter().any(|name| var(name).is_some_and(|v| !v.is_empty()));
     if url.is_none() && !names_a_server {
         return Err(Exit::usage(
             "no database: pass --database-url URL, set DATABASE_URL, or set libpq's PGHOST, \
              PGPORT, PGUSER or PGDATABASE",
         ));
     }
-    let options = libpq_env::TlsOptions {
-        root_cert: cli.tls_root_cert.clone(),
-        cert: cli.tls_cert.clone(),
-        key: cli.tls_key.clone(),
-    };
-    let resolved = libpq_env::resolve(url, options, &var).map_err(Exit::usage)?;
+    let mut options = pgfence::env::TlsOptions::default();
+    options.root_cert = cli.tls_root_cert.clone();
+    options.cert = cli.tls_cert.clone();
+    options.key = cli.tls_key.clone();
+    let resolved = pgfence::env::resolve(url, options, &var)?;
     if let Some(user) = resolved.config.get_user() {
         let _ = ROLE.set(user.to_owned()); // Set once, here.
     }
     for warning in &resolved.warnings {
         let _ = writeln!(io::stderr(), "pgfence: warning: {warning}");
     }
-    let tls = tls_config(&resolved.tls)?;
+    let tls = resolved.tls.client_config()?;
     // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
     let mut builder =
         PgKvStore::builder_from_config(resolved.config.clone()).table(&cli.table).pool_size(2);

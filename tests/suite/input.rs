@@ -279,3 +279,122 @@ async fn a_password_with_an_unescaped_at_sign_is_refused_and_never_shown() {
     }
     assert_eq!(tables_like(&t).await, 0, "nothing created");
 }
+
+/// A variable reader over `pairs`, standing in for the process's environment.
+fn vars(pairs: &[(&str, String)]) -> impl Fn(&str) -> Option<String> + use<> {
+    let pairs: Vec<(String, String)> =
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect();
+    move |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+}
+
+/// libpq's precedence: the connection string's parameters win; the environment fills only
+/// what the string leaves out; an empty variable counts as unset.
+#[test]
+fn libpq_environment_fills_only_what_the_connection_string_leaves_out() {
+    use pgfence::env::{TlsOptions, resolve};
+    use pgfence::tokio_postgres::config::Host;
+    let env = vars(&[
+        ("PGHOST", "db.example".to_owned()),
+        ("PGPORT", "6543".to_owned()),
+        ("PGUSER", "envuser".to_owned()),
+        ("PGDATABASE", "envdb".to_owned()),
+        ("PGPASSWORD", "envsecret".to_owned()),
+        ("PGAPPNAME", "".to_owned()),
+        ("PGCONNECT_TIMEOUT", "1".to_owned()),
+    ]);
+    let r = resolve(Some("postgres://urluser@urlhost:7000"), TlsOptions::default(), &env).unwrap();
+    assert_eq!(r.config.get_hosts(), [Host::Tcp("urlhost".to_owned())]);
+    assert_eq!(r.config.get_ports(), [7000]);
+    assert_eq!(r.config.get_user(), Some("urluser"));
+    assert_eq!(r.config.get_dbname(), Some("envdb"), "the string names no database");
+    assert_eq!(r.config.get_password(), Some(&b"envsecret"[..]));
+    assert_eq!(r.config.get_application_name(), None, "an empty variable is unset");
+    assert_eq!(r.connect_timeout, Some(Duration::from_secs(2)), "libpq's minimum is 2 s");
+
+    let r = resolve(None, TlsOptions::default(), &env).unwrap();
+    assert_eq!(r.config.get_hosts(), [Host::Tcp("db.example".to_owned())]);
+    assert_eq!(r.config.get_ports(), [6543]);
+    assert_eq!(r.config.get_user(), Some("envuser"));
+}
+
+/// Variables that do not parse, and TLS that pgfence cannot verify, are typed configuration
+/// errors naming the variable; nothing connects.
+#[test]
+fn libpq_environment_errors_name_the_variable() {
+    use pgfence::env::{TlsOptions, resolve};
+    let field = |pairs: &[(&str, String)]| match resolve(None, TlsOptions::default(), &vars(pairs))
+    {
+        Err(Error::InvalidConfig { field, .. }) => field,
+        other => panic!("{pairs:?}: {other:?}"),
+    };
+    assert_eq!(field(&[("PGPORT", "54x".to_owned())]), "PGPORT");
+    assert_eq!(field(&[("PGCONNECT_TIMEOUT", "soon".to_owned())]), "PGCONNECT_TIMEOUT");
+    assert_eq!(field(&[("PGSSLMODE", "sometimes".to_owned())]), "PGSSLMODE");
+    // `require` is verified TLS in pgfence: without certificate authorities it is refused.
+    let home = tempdir("pgfence-env-nohome");
+    let require = [("PGSSLMODE", "require".to_owned()), ("HOME", home.display().to_string())];
+    assert_eq!(field(&require), "tls");
+    match resolve(Some("not a url"), TlsOptions::default(), &vars(&[])) {
+        Err(Error::InvalidConfig { field: "connection string", .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A fresh directory under the system's temporary directory.
+fn tempdir(prefix: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The password file, libpq's way: the first matching line wins, `*` matches anything, `\:`
+/// is a colon; a file others may read is ignored with a warning. The server then accepts the
+/// file's password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_file_supplies_the_password_by_libpq_rules() {
+    use std::os::unix::fs::PermissionsExt;
+
+    use pgfence::env::{TlsOptions, resolve};
+    let server = common::server();
+    server.ensure_password_role().await.unwrap();
+    let dir = tempdir("pgfence-passfile");
+    let file = dir.join("pgpass");
+    let port = server.port();
+    let escaped = PASSWORD_ROLE_PASSWORD.replace('\\', "\\\\").replace(':', "\\:");
+    std::fs::write(
+        &file,
+        format!(
+            "# a comment\nother:*:*:*:nope\n127.0.0.1:{port}:*:{PASSWORD_ROLE}:{escaped}\n\
+             *:*:*:*:too-late\n"
+        ),
+    )
+    .unwrap();
+    let env = |mode: u32| {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        vars(&[
+            ("PGHOST", "127.0.0.1".to_owned()),
+            ("PGPORT", port.to_string()),
+            ("PGUSER", PASSWORD_ROLE.to_owned()),
+            ("PGDATABASE", "postgres".to_owned()),
+            ("PGPASSFILE", file.display().to_string()),
+        ])
+    };
+
+    let open = resolve(None, TlsOptions::default(), &env(0o644)).unwrap();
+    assert_eq!(open.config.get_password(), None, "group or world access: ignored");
+    assert!(open.warnings.iter().any(|w| w.contains("group or world access")), "{open:?}");
+
+    let r = resolve(None, TlsOptions::default(), &env(0o600)).unwrap();
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    assert_eq!(r.config.get_password(), Some(PASSWORD_ROLE_PASSWORD.as_bytes()));
+    // The server accepts it: connect directly (no GRANT on `public`, which would race the
+    // other tests' GRANTs: "tuple concurrently updated").
+    let (client, connection) = r.config.connect(pgfence::tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let user: String = client.query_one("SELECT current_user::text", &[]).await.unwrap().get(0);
+    assert_eq!(user, PASSWORD_ROLE);
+    drop(client);
+    connection.await.unwrap().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -2,18 +2,26 @@
 //! `PGPASSWORD`, `PGPASSFILE` and `~/.pgpass`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`, and the TLS
 //! files `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`.
 //!
-//! As in libpq, a parameter given in the connection string wins; the environment fills only
+//! [`crate::Builder::from_env`] is the short way; [`resolve`] is the long one, for a caller
+//! that has TLS options of its own or wants the warnings (the `pgfence` command uses it).
+//!
+//! As in libpq, a parameter given in the connection string wins. The environment fills only
 //! what the string leaves out. tokio-postgres parses connection strings but reads no
-//! environment, and the crates that add it leave out `PGPASSWORD`, the TLS variables and
-//! libpq's password-file rules, so this is written out here. It depends on nothing of the CLI
-//! (the environment is passed in as a function), so it can move into the library as
-//! `Builder::from_env()`.
+//! environment. The crates that add it leave out `PGPASSWORD`, the TLS variables and libpq's
+//! password-file rules, so this module writes them out.
+//!
+//! Deliberate differences from libpq: pgfence always verifies the server's certificate and
+//! host name when it uses TLS, so `require` and `verify-ca` are verified as `verify-full`.
+//! Without any connection string or variable naming the server, the default is libpq's: the
+//! local Unix socket (or `localhost`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio_postgres::Config;
 use tokio_postgres::config::{Host, SslMode};
+
+use crate::error::{Error, Result};
 
 /// libpq's default port.
 const DEFAULT_PORT: u16 = 5432;
@@ -22,49 +30,106 @@ const DEFAULT_PORT: u16 = 5432;
 /// the first, upstream's the second.
 const SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 
-/// The variables that name a server: with none of them and no connection string, there is
-/// nothing to connect to (pgfence does not guess a local server).
-pub(crate) const SERVER_VARIABLES: [&str; 4] = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"];
+/// The variables that name a server. With none of them and no connection string, a caller
+/// may refuse to guess a local server (the `pgfence` command does).
+pub const SERVER_VARIABLES: [&str; 4] = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"];
 
-/// The TLS that the connection string and the environment ask for.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct TlsFiles {
-    /// The certificate authorities to trust; `None`: no TLS.
-    pub(crate) root_cert: Option<PathBuf>,
-    /// The client certificate and its key, both or neither.
-    pub(crate) client: Option<(PathBuf, PathBuf)>,
+/// The TLS files that the options and the environment ask for.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TlsFiles {
+    /// The certificate authorities' PEM file; `None`: no TLS.
+    pub root_cert: Option<PathBuf>,
+    /// The client certificate chain's and its key's PEM files, both or neither.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl TlsFiles {
+    /// The TLS client configuration for [`crate::Builder::tls`] that these files describe.
+    /// It trusts exactly the certificates in the root file. `None` without a root file.
+    ///
+    /// Fails with [`Error::InvalidConfig`] (field `"tls"`) when a file cannot be read or
+    /// holds no usable certificate or key. The message names the file, never its content.
+    pub fn client_config(&self) -> Result<Option<rustls::ClientConfig>> {
+        use rustls::pki_types::{PrivateKeyDer, pem::PemObject};
+        let Some(root_path) = &self.root_cert else { return Ok(None) };
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in pem_certs("certificate authorities", root_path)? {
+            roots.add(cert).map_err(|e| bad_file("certificate authorities", root_path, e))?;
+        }
+        let Some((cert_path, key_path)) = &self.client else {
+            return Ok(Some(crate::tls_client_config(roots)));
+        };
+        let chain = pem_certs("client certificate", cert_path)?;
+        let key = PrivateKeyDer::from_pem_file(key_path)
+            .map_err(|e| bad_file("client key", key_path, e))?;
+        crate::tls_client_config_with_cert(roots, chain, key).map(Some)
+    }
+}
+
+/// The certificates in the PEM file `path`; at least one.
+fn pem_certs(what: &str, path: &Path) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| bad_file(what, path, e))?
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| bad_file(what, path, e))?;
+    if certs.is_empty() {
+        return Err(bad_file(what, path, "no certificate in it"));
+    }
+    Ok(certs)
+}
+
+fn bad_file(what: &str, path: &Path, reason: impl std::fmt::Display) -> Error {
+    Error::config("tls", format!("{what} file {}: {reason}", path.display()))
 }
 
 /// A connection configuration with the environment applied.
 #[derive(Debug)]
-pub(crate) struct Resolved {
-    pub(crate) config: Config,
-    /// `PGCONNECT_TIMEOUT` (libpq: at least 2 s; 0 means the default).
-    pub(crate) connect_timeout: Option<Duration>,
-    pub(crate) tls: TlsFiles,
+#[non_exhaustive]
+pub struct Resolved {
+    /// The connection string's parameters, with the environment filling the gaps.
+    pub config: Config,
+    /// `PGCONNECT_TIMEOUT` (as libpq: at least 2 s; 0 or less means the default).
+    pub connect_timeout: Option<Duration>,
+    /// The TLS files to use; see [`TlsFiles::client_config`].
+    pub tls: TlsFiles,
     /// Things the operator should know, as libpq prints them (an ignored password file).
-    pub(crate) warnings: Vec<String>,
+    pub warnings: Vec<String>,
 }
 
-/// The TLS files given as options (`--tls-root-cert`, ...), which win over the environment.
-#[derive(Debug, Default)]
-pub(crate) struct TlsOptions {
-    pub(crate) root_cert: Option<PathBuf>,
-    pub(crate) cert: Option<PathBuf>,
-    pub(crate) key: Option<PathBuf>,
+/// TLS files given as options, which win over the environment (`PGSSLROOTCERT`, ...).
+#[derive(Debug, Default, Clone)]
+#[non_exhaustive]
+pub struct TlsOptions {
+    /// The certificate authorities' PEM file.
+    pub root_cert: Option<PathBuf>,
+    /// The client certificate chain's PEM file.
+    pub cert: Option<PathBuf>,
+    /// The client key's PEM file.
+    pub key: Option<PathBuf>,
 }
 
-/// `url` (if any) with the environment `var` applied, libpq's way. An error is a usage error.
-pub(crate) fn resolve(
+/// `url` (if any) with the environment applied, libpq's way; `var` reads a variable
+/// (`|name| std::env::var(name).ok()` for the process's own).
+///
+/// An empty variable counts as unset, as in libpq. A password file with group or world
+/// access is ignored with a warning in [`Resolved::warnings`], as libpq does.
+///
+/// Fails with [`Error::InvalidConfig`] for a connection string that does not parse, a
+/// variable that does not parse (the field names it), or TLS settings that contradict each
+/// other. Nothing is read from the network.
+pub fn resolve(
     url: Option<&str>,
     options: TlsOptions,
     var: &dyn Fn(&str) -> Option<String>,
-) -> Result<Resolved, String> {
+) -> Result<Resolved> {
     // A variable set to the empty string counts as unset, as it does for libpq.
     let var = |name: &str| var(name).filter(|v| !v.is_empty());
     let mut config = match url {
         Some(url) => {
-            url.parse::<Config>().map_err(|e| format!("invalid connection string: {e}"))?
+            // The parser's message never contains the string itself, so no password leaks.
+            url.parse::<Config>().map_err(|e| Error::config("connection string", e.to_string()))?
         }
         None => Config::new(),
     };
@@ -81,13 +146,15 @@ pub(crate) fn resolve(
             }
         }
     }
-    if config.get_ports().is_empty()
-        && let Some(ports) = var("PGPORT")
-    {
-        for port in ports.split(',') {
-            let port =
-                port.trim().parse::<u16>().map_err(|_| format!("PGPORT={ports:?}: not a port"))?;
-            config.port(port);
+    if config.get_ports().is_empty() {
+        if let Some(ports) = var("PGPORT") {
+            for port in ports.split(',') {
+                let port = port
+                    .trim()
+                    .parse::<u16>()
+                    .map_err(|_| Error::config("PGPORT", format!("{ports:?} is not a port")))?;
+                config.port(port);
+            }
         }
     }
     if config.get_user().is_none() {
@@ -96,23 +163,22 @@ pub(crate) fn resolve(
             config.user(user);
         }
     }
-    if config.get_dbname().is_none()
-        && let Some(dbname) = var("PGDATABASE")
-    {
-        config.dbname(dbname);
+    if config.get_dbname().is_none() {
+        if let Some(dbname) = var("PGDATABASE") {
+            config.dbname(dbname);
+        }
     }
-    if config.get_application_name().is_none()
-        && let Some(name) = var("PGAPPNAME")
-    {
-        config.application_name(name);
+    if config.get_application_name().is_none() {
+        if let Some(name) = var("PGAPPNAME") {
+            config.application_name(name);
+        }
     }
     let connect_timeout = match var("PGCONNECT_TIMEOUT") {
         None => None,
         Some(text) => {
-            let secs: i64 = text
-                .trim()
-                .parse()
-                .map_err(|_| format!("PGCONNECT_TIMEOUT={text:?}: not a number of seconds"))?;
+            let secs: i64 = text.trim().parse().map_err(|_| {
+                Error::config("PGCONNECT_TIMEOUT", format!("{text:?} is not a number of seconds"))
+            })?;
             // As libpq: zero or less waits indefinitely (here: the default), less than 2 is 2.
             (secs > 0).then(|| Duration::from_secs(secs.max(2).unsigned_abs()))
         }
@@ -127,9 +193,9 @@ pub(crate) fn resolve(
                 let file = var("PGPASSFILE")
                     .map(PathBuf::from)
                     .or_else(|| var("HOME").map(|home| Path::new(&home).join(".pgpass")));
-                if let Some(file) = file
-                    && let Some(password) = passfile_password(&file, &config, &mut warnings)
-                {
+                let password =
+                    file.and_then(|file| passfile_password(&file, &config, &mut warnings));
+                if let Some(password) = password {
                     config.password(password);
                 }
             }
@@ -224,7 +290,7 @@ fn tls_files(
     config: &mut Config,
     options: TlsOptions,
     var: &dyn Fn(&str) -> Option<String>,
-) -> Result<TlsFiles, String> {
+) -> Result<TlsFiles> {
     // tokio-postgres does not say whether the string set `sslmode` (it defaults to prefer).
     let url_mode = url.is_some_and(|u| u.contains("sslmode="));
     let env_mode = var("PGSSLMODE");
@@ -246,7 +312,10 @@ fn tls_files(
     let verify = match mode {
         "disable" => {
             if options.root_cert.is_some() {
-                return Err("sslmode disable contradicts --tls-root-cert".to_owned());
+                return Err(Error::config(
+                    "tls",
+                    "sslmode disable contradicts the certificate authorities given as an option",
+                ));
             }
             config.ssl_mode(SslMode::Disable);
             return Ok(TlsFiles::default());
@@ -254,9 +323,11 @@ fn tls_files(
         "allow" | "prefer" => false,
         "require" | "verify-ca" | "verify-full" => true,
         other => {
-            return Err(format!(
-                "PGSSLMODE={other:?}: expected disable, allow, prefer, require, verify-ca or \
-                 verify-full"
+            return Err(Error::config(
+                "PGSSLMODE",
+                format!(
+                    "{other:?}: expected disable, allow, prefer, require, verify-ca or verify-full"
+                ),
             ));
         }
     };
@@ -265,9 +336,13 @@ fn tls_files(
         // libpq's default file for the certificate authorities.
         root_cert = root_cert.or_else(|| home_file("root.crt"));
         if root_cert.is_none() {
-            return Err(format!(
-                "sslmode {mode}: pgfence verifies the server's certificate: set PGSSLROOTCERT \
-                 or --tls-root-cert to the certificate authorities' PEM file"
+            return Err(Error::config(
+                "tls",
+                format!(
+                    "sslmode {mode}: pgfence verifies the server's certificate: set \
+                     PGSSLROOTCERT (the `pgfence` command: --tls-root-cert) to the certificate \
+                     authorities' PEM file"
+                ),
             ));
         }
         if env_mode.is_some() && !url_mode {
@@ -281,7 +356,12 @@ fn tls_files(
     let client = match (cert, key) {
         (Some(cert), Some(key)) => Some((cert, key)),
         (None, None) => None,
-        _ => return Err("a client certificate needs both PGSSLCERT and PGSSLKEY".to_owned()),
+        _ => {
+            return Err(Error::config(
+                "tls",
+                "a client certificate needs both PGSSLCERT and PGSSLKEY",
+            ));
+        }
     };
     Ok(TlsFiles { root_cert: Some(root_cert), client })
 }
