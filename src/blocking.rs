@@ -121,7 +121,7 @@ impl PgKvStore {
     /// The opening runs to its end all the same. It keeps the facade's runtime alive until the
     /// cancellation is done. So a setup waiting on the server is cancelled there, not left
     /// waiting by a runtime shut down under it.
-    #[cfg(feature = "ldk")]
+    #[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
     pub(crate) async fn open_with_async<F>(
         open: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> F,
     ) -> Result<PgKvStore>
@@ -378,7 +378,7 @@ impl IoRuntime {
     /// awaited on any runtime or executor. The work runs to the end even if the returned future
     /// is dropped. It keeps the runtime alive until then, as the async store's mutation futures
     /// keep the lease alive. A panic of the operation is resumed in the awaiting task.
-    #[cfg(feature = "ldk")]
+    #[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
     pub(crate) fn spawn<T: Send + 'static>(
         self: &Arc<Self>,
         future: impl Future<Output = Result<T>> + Send + 'static,

@@ -35,7 +35,7 @@ mod standby;
 mod entry;
 
 pub mod blocking;
-#[cfg(feature = "ldk")]
+#[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
 pub mod ldk;
 
 pub use config::{Builder, LeaseLossPolicy};

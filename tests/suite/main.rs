@@ -24,6 +24,7 @@ mod hazards;
 mod hung_server;
 mod input;
 mod ldk;
+mod ldk_0_2;
 mod lease;
 mod pgbouncer;
 mod release;

@@ -1,11 +1,18 @@
 //! LDK persistence: the `lightning::util::persist` traits on a fenced PostgreSQL store.
 //!
-//! Behind the cargo feature `ldk`, pinned to `lightning` `=0.3.0-rc3`, the first release with
-//! every trait implemented here. [`LdkStore`] implements [`KVStore`], [`KVStoreSync`],
-//! [`PaginatedKVStore`], [`PaginatedKVStoreSync`], [`MigratableKVStore`] and
-//! [`MigratableKVStoreSync`], so it can be handed to LDK wherever a `KVStore` of either flavor
-//! is expected (monitor persistence, `ChannelManager` and graph persistence, the output sweeper,
-//! `migrate_kv_store_data`).
+//! One [`LdkStore`] implements the store traits of two `lightning` lines, each behind its own
+//! cargo feature; both features may be on at once.
+//!
+//! - Feature `ldk`: `lightning` `=0.3.0-rc3`, the first release with every trait below.
+//!   `KVStore`, `KVStoreSync`, `PaginatedKVStore`, `PaginatedKVStoreSync`, `MigratableKVStore`
+//!   and `MigratableKVStoreSync` (module `v0_3`).
+//! - Feature `ldk-0_2`: `lightning` `=0.2.7`, the released line that ldk-node 0.7 uses.
+//!   `KVStore`, `KVStoreSync` and `MigratableKVStore` of 0.2 (module `v0_2`); 0.2 has no
+//!   paginated traits.
+//!
+//! Hand it to LDK wherever a `KVStore` of either flavor is expected (monitor persistence,
+//! `ChannelManager` and graph persistence, the output sweeper, `migrate_kv_store_data`). The
+//! semantics below hold for both lines: both adapters call the same code of this module.
 //!
 //! # Semantics, as the traits document them
 //!
@@ -15,8 +22,8 @@
 //!   a dropped future's operation still runs to the end.
 //! - `remove` is `Ok` whether or not the key existed; a `lazy` remove is executed eagerly.
 //! - `list` of an unknown namespace is empty; keys come in byte order (LDK allows any order).
-//! - `list_paginated` returns keys newest-created first (an overwrite keeps a key's place), in
-//!   pages of the builder's `page_size`, with an opaque token that survives deletions.
+//! - `list_paginated` (0.3 only) returns keys newest-created first (an overwrite keeps a key's
+//!   place), in pages of the builder's `page_size`, with an opaque token that survives deletions.
 //! - `list_all_keys` returns every key of the table.
 //! - Errors are `lightning::io::Error`s (convertible to and from `std::io::Error`, kind and
 //!   cause kept) whose kinds LDK can act on: `NotFound` (missing key),
@@ -45,19 +52,24 @@
 use std::future::Future;
 use std::time::Duration;
 
-use lightning::io;
-use lightning::util::persist::{
-    KVStore, KVStoreSync, MigratableKVStore, MigratableKVStoreSync, PageToken as LdkPageToken,
-    PaginatedKVStore, PaginatedKVStoreSync, PaginatedListResponse,
-};
+// Both lines' `io::Error` is `bitcoin_io::Error` (both depend on bitcoin 0.32): one conversion.
+use bitcoin::io;
 use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::blocking::{self, owned};
 use crate::error::Result;
-use crate::{Builder, LeaseState, Page, PageToken, Standby};
+use crate::{Builder, LeaseState, Standby};
+#[cfg(feature = "ldk")]
+use crate::{Page, PageToken};
 
-/// A [`crate::PgKvStore`] for LDK: implements every `lightning::util::persist` store trait.
+#[cfg(feature = "ldk-0_2")]
+mod v0_2;
+#[cfg(feature = "ldk")]
+mod v0_3;
+
+/// A [`crate::PgKvStore`] for LDK: implements the `lightning::util::persist` store traits of
+/// each enabled `lightning` line (see the [module docs](self)).
 ///
 /// Open it with [`LdkStore::open`] (blocking) or [`LdkStore::open_async`] from any context,
 /// then hand it to LDK, usually in an `Arc`. Cloning is cheap and shares one store (one lease).
@@ -187,136 +199,106 @@ fn to_io(e: crate::Error) -> io::Error {
     io::Error::from(std::io::Error::from(e))
 }
 
-fn to_ldk(page: Page) -> PaginatedListResponse {
-    PaginatedListResponse {
-        keys: page.keys,
-        next_page_token: page.next_page_token.map(|t| LdkPageToken::new(t.as_str().to_owned())),
-    }
-}
-
-fn from_ldk(token: Option<LdkPageToken>) -> Option<PageToken> {
-    token.map(|t| PageToken::new(t.as_str()))
-}
-
-impl KVStoreSync for LdkStore {
-    fn read(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-        key: &str,
-    ) -> io::Result<Vec<u8>> {
-        self.inner.read(primary_namespace, secondary_namespace, key).map_err(to_io)
+/// The operations both lines' traits share, written once. Each async one takes the key's place
+/// in its order in the call and starts at once on the store's runtime; the adapters only wrap
+/// the returned future in their line's type.
+impl LdkStore {
+    fn read_sync(&self, primary: &str, secondary: &str, key: &str) -> io::Result<Vec<u8>> {
+        self.inner.read(primary, secondary, key).map_err(to_io)
     }
 
-    fn write(
+    fn write_sync(
         &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
+        primary: &str,
+        secondary: &str,
         key: &str,
         buf: Vec<u8>,
     ) -> io::Result<()> {
-        self.inner.write(primary_namespace, secondary_namespace, key, buf).map_err(to_io)
+        self.inner.write(primary, secondary, key, buf).map_err(to_io)
     }
 
-    fn remove(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-        key: &str,
-        lazy: bool,
-    ) -> io::Result<()> {
-        self.inner.remove(primary_namespace, secondary_namespace, key, lazy).map_err(to_io)
+    fn remove_sync(&self, primary: &str, secondary: &str, key: &str, lazy: bool) -> io::Result<()> {
+        self.inner.remove(primary, secondary, key, lazy).map_err(to_io)
     }
 
-    fn list(&self, primary_namespace: &str, secondary_namespace: &str) -> io::Result<Vec<String>> {
-        self.inner.list(primary_namespace, secondary_namespace).map_err(to_io)
+    fn list_sync(&self, primary: &str, secondary: &str) -> io::Result<Vec<String>> {
+        self.inner.list(primary, secondary).map_err(to_io)
     }
-}
 
-impl PaginatedKVStoreSync for LdkStore {
-    fn list_paginated(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-        page_token: Option<LdkPageToken>,
-    ) -> io::Result<PaginatedListResponse> {
-        self.inner
-            .list_paginated(primary_namespace, secondary_namespace, from_ldk(page_token))
-            .map(to_ldk)
-            .map_err(to_io)
-    }
-}
-
-impl MigratableKVStoreSync for LdkStore {
-    fn list_all_keys(&self) -> io::Result<Vec<(String, String, String)>> {
+    fn list_all_keys_sync(&self) -> io::Result<Vec<(String, String, String)>> {
         self.inner.list_all_keys().map_err(to_io)
     }
-}
 
-impl KVStore for LdkStore {
-    fn read(
+    fn read_async(
         &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
+        primary: &str,
+        secondary: &str,
         key: &str,
     ) -> impl Future<Output = io::Result<Vec<u8>>> + 'static + Send {
         let store = self.inner.store.clone();
-        let (pn, sn, key) = owned(primary_namespace, secondary_namespace, key);
+        let (pn, sn, key) = owned(primary, secondary, key);
         self.spawn(async move { store.read(&pn, &sn, &key).await })
     }
 
-    fn write(
+    fn write_async(
         &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
+        primary: &str,
+        secondary: &str,
         key: &str,
         buf: Vec<u8>,
     ) -> impl Future<Output = io::Result<()>> + 'static + Send {
         // The async store takes the key's place in its order here, in the call; spawning it now
         // starts the write whether or not the caller ever polls the returned future.
-        self.spawn(self.inner.store.write(primary_namespace, secondary_namespace, key, buf))
+        self.spawn(self.inner.store.write(primary, secondary, key, buf))
     }
 
-    fn remove(
+    fn remove_async(
         &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
+        primary: &str,
+        secondary: &str,
         key: &str,
         lazy: bool,
     ) -> impl Future<Output = io::Result<()>> + 'static + Send {
-        self.spawn(self.inner.store.remove(primary_namespace, secondary_namespace, key, lazy))
+        self.spawn(self.inner.store.remove(primary, secondary, key, lazy))
     }
 
-    fn list(
+    fn list_async(
         &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
+        primary: &str,
+        secondary: &str,
     ) -> impl Future<Output = io::Result<Vec<String>>> + 'static + Send {
         let store = self.inner.store.clone();
-        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
+        let (pn, sn, _) = owned(primary, secondary, "");
         self.spawn(async move { store.list(&pn, &sn).await })
     }
-}
 
-impl PaginatedKVStore for LdkStore {
-    fn list_paginated(
-        &self,
-        primary_namespace: &str,
-        secondary_namespace: &str,
-        page_token: Option<LdkPageToken>,
-    ) -> impl Future<Output = io::Result<PaginatedListResponse>> + 'static + Send {
-        let store = self.inner.store.clone();
-        let (pn, sn, _) = owned(primary_namespace, secondary_namespace, "");
-        let token = from_ldk(page_token);
-        self.spawn(async move { Ok(to_ldk(store.list_paginated(&pn, &sn, token).await?)) })
-    }
-}
-
-impl MigratableKVStore for LdkStore {
-    fn list_all_keys(
+    #[cfg(feature = "ldk")]
+    fn list_all_keys_async(
         &self,
     ) -> impl Future<Output = io::Result<Vec<(String, String, String)>>> + 'static + Send {
         let store = self.inner.store.clone();
         self.spawn(async move { store.list_all_keys().await })
+    }
+
+    #[cfg(feature = "ldk")]
+    fn list_page_sync(
+        &self,
+        primary: &str,
+        secondary: &str,
+        token: Option<PageToken>,
+    ) -> io::Result<Page> {
+        self.inner.list_paginated(primary, secondary, token).map_err(to_io)
+    }
+
+    #[cfg(feature = "ldk")]
+    fn list_page_async(
+        &self,
+        primary: &str,
+        secondary: &str,
+        token: Option<PageToken>,
+    ) -> impl Future<Output = io::Result<Page>> + 'static + Send {
+        let store = self.inner.store.clone();
+        let (pn, sn, _) = owned(primary, secondary, "");
+        self.spawn(async move { store.list_paginated(&pn, &sn, token).await })
     }
 }
