@@ -38,12 +38,12 @@ pub enum Error {
 
     /// This store no longer owns the lease. Permanent: every later operation fails the same way.
     ///
-    /// The statement that found the loss wrote nothing. But if a connection broke under an
-    /// earlier attempt of the same call, that attempt may have committed, while the lease was
-    /// still held: read the key back. (The reason is [`LossReason::WriteOutcomeUnknown`] when
-    /// the store failed closed because of that attempt; if the lease was lost meanwhile for
-    /// another reason, `Fenced` say, that reason is given.) The same holds for a mutation still
-    /// waiting for the server's answer at the local deadline (reason `DeadlinePassed`): it was
+    /// The statement that found the loss wrote nothing. But a connection may have broken under
+    /// an earlier attempt of the same call. That attempt may have committed while the lease was
+    /// still held: read the key back. The reason is [`LossReason::WriteOutcomeUnknown`] when
+    /// the store failed closed because of that attempt. If the lease was lost meanwhile for
+    /// another reason, `Fenced` say, that reason is given. The same holds for a mutation still
+    /// waiting for the server's answer at the local deadline (reason `DeadlinePassed`). It was
     /// sent, and may still commit. It is never reordered against other calls of the key.
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
@@ -132,9 +132,9 @@ pub enum Error {
         source: Box<deadpool_postgres::PoolError>,
     },
 
-    /// The renewal thread or its runtime could not be started; or (a bug of this crate) the
-    /// renewal thread panicked, with the lease not lost, before it released the lease: it is
-    /// no longer renewed and expires by TTL. (The renewal thread's panic of
+    /// The renewal thread or its runtime could not be started. Or the renewal thread panicked
+    /// before it released the lease, with the lease not lost; that is a bug of this crate. The
+    /// lease is then no longer renewed and expires by TTL. (The renewal thread's panic of
     /// [`crate::LeaseLossPolicy::Panic`] is reported as [`Error::LeaseLost`].)
     #[error("the lease renewal thread could not be started, or it failed")]
     Runtime {
@@ -179,11 +179,12 @@ pub enum LossReason {
     /// database-side expiry. Operations still waiting for the server's answer then return with
     /// it too (a server or network that stopped answering, with the connection still up).
     DeadlinePassed,
-    /// A write's statement may still commit and its outcome cannot be learned: its connection
-    /// broke and the server session running it could not be confirmed ended, or its retries
-    /// ended in an error (so it may have committed, or not), or the task running it was
-    /// dropped mid-statement (its runtime shut down). The store stops rather than risk that
-    /// write landing after a later call of the same key, or an earlier call overwriting it.
+    /// A write's statement may still commit and its outcome cannot be learned. There are three
+    /// causes. Its connection broke and the server session running it could not be confirmed
+    /// ended. Or its retries ended in an error, so it may have committed, or not. Or the task
+    /// running it was dropped mid-statement (its runtime shut down). The store stops rather
+    /// than risk that write landing after a later call of the same key, or an earlier call
+    /// overwriting it.
     WriteOutcomeUnknown,
 }
 
@@ -247,9 +248,10 @@ impl Error {
         matches!(self, Error::NotFound(_))
     }
 
-    /// True when the same call may succeed if tried again: a broken connection, a server that
-    /// refuses connections for now (restarting, or too many connections), a pool that had no
-    /// connection in time, a timeout. Never true for lease loss or invalid input.
+    /// True when the same call may succeed if tried again. That covers a broken connection,
+    /// and a server that refuses connections for now (restarting, or too many connections). It
+    /// also covers a pool that had no connection in time, and a timeout. Never true for lease
+    /// loss or invalid input.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source, .. } => is_connection_error(source),
