@@ -117,8 +117,8 @@ impl Executor {
     /// for an operation already admitted ([`Executor::admit`]).
     ///
     /// Fails fast with `LeaseLost` before touching the database. A broken
-    /// connection or an unavailable server is retried on a fresh connection, with backoff,
-    /// while the lease is locally valid and for at most `retry_for`.
+    /// connection or an unavailable server is retried on a fresh connection, with backoff.
+    /// Retries go on while the lease is locally valid, and for at most `retry_for`.
     ///
     /// # A connection that broke after a mutation was sent
     ///
@@ -470,9 +470,9 @@ pub(crate) async fn detached<T: Send + 'static>(
 /// It goes back to the pool once its statements are answered, with a result or an error
 /// ([`Checkout::answered`]). Dropped before, it is taken out of the pool. The next user would
 /// otherwise queue behind the unanswered statement, on a hung server for good. It is dropped
-/// before when the attempt was abandoned at the local deadline, when a read's caller dropped
-/// its future, or when its task was dropped. Dropping it closes the connection at once:
-/// deadpool aborts the task of a connection taken out of its pool.
+/// before when the attempt was abandoned at the local deadline. It is also dropped before when a
+/// read's caller dropped its future, or when its task was dropped. Dropping it closes the
+/// connection at once: deadpool aborts the task of a connection taken out of its pool.
 pub(crate) struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {

@@ -201,7 +201,7 @@ enum Step {
 }
 
 /// The decision, from the times alone (all on [`clock`]): `now`, the next renewal and the local
-/// deadline. A sleep ends at the deadline or the renewal, whichever comes first, and never
+/// deadline. A sleep ends at the deadline or the renewal, whichever comes first. It never
 /// lasts longer than [`MAX_NAP`], whatever a timer would say after a suspend.
 fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
     if now >= deadline {

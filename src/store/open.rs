@@ -267,8 +267,8 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 }
 
 /// Refuses a connection through a pooler that hands server sessions out per transaction
-/// (PgBouncer's transaction or statement mode). The store relies on a session of its own: its
-/// prepared statements live in it, and a write whose outcome is unknown is settled by ending
+/// (PgBouncer's transaction or statement mode). The store relies on a session of its own. Its
+/// prepared statements live in it. A write whose outcome is unknown is settled by ending
 /// that session's server process by pid. Behind such a pooler that process may serve another
 /// client.
 ///
@@ -276,7 +276,7 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 /// sessions. So this compares server process ids, which change nothing (simple protocol: no
 /// prepared statement either). `client` asks for its pid `p`; a second connection of the pool
 /// asks for its own; then `client` asks again. Directly or through a session pooler, `client`
-/// keeps server process `p` for as long as it is connected, so no other connection can be
+/// keeps server process `p` for as long as it is connected. So no other connection can be
 /// served by `p`, and `client` never sees another pid. Either observation is therefore proof of
 /// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
 /// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
