@@ -415,9 +415,9 @@ impl Builder {
         if self.page_size == 0 || self.page_size > 100_000 {
             return Err(Error::config("page_size", "must be between 1 and 100000"));
         }
-        // PostgreSQL takes no NUL in a connection's startup parameters or a text value: the
-        // connection would fail to encode it, an error that looks like a connection failure
-        // and on which a standby would wait forever.
+        // PostgreSQL takes no NUL in a connection's startup parameters or a text value. The
+        // connection would fail to encode it. That error looks like a connection failure, and
+        // a standby would wait on it forever.
         if self.application_name.contains('\0') {
             return Err(Error::config("application_name", "must not contain a NUL byte"));
         }

@@ -293,20 +293,23 @@ pub(crate) fn is_connection_error(e: &tokio_postgres::Error) -> bool {
         return true;
     }
     if let Some(db) = e.as_db_error() {
-        // Class 08: connection exception; 57P01..57P03: admin shutdown, crash shutdown,
-        // cannot connect now (server restarting); 53300: too many connections (refused at
-        // connection start, for the server, the database or the role: before any statement);
-        // 25P03: the server ended a session left idle in a transaction (the setup's
-        // `idle_in_transaction_session_timeout`), a FATAL error that reaches the client as the
-        // answer to the statement it sent meanwhile when the link was slow: the session is
-        // gone, as after a broken connection, and a standby must keep waiting.
+        // - Class 08: connection exception.
+        // - 57P01..57P03: admin shutdown, crash shutdown, cannot connect now (server
+        //   restarting).
+        // - 53300: too many connections. It is refused at connection start, before any
+        //   statement, for the server, the database or the role.
+        // - 25P03: the server ended a session left idle in a transaction (the setup's
+        //   `idle_in_transaction_session_timeout`). This FATAL error may reach the client as
+        //   the answer to the statement it sent meanwhile, when the link was slow. The
+        //   session is gone, as after a broken connection, and a standby must keep waiting.
         let code = db.code().code();
         return code.starts_with("08")
             || matches!(code, "57P01" | "57P02" | "57P03" | "53300" | "25P03");
     }
-    // No server error attached: I/O, connect or protocol failure on our side of the socket;
-    // except a TLS failure (a certificate not trusted or not for this host, no common
-    // protocol): a configuration error that no retry mends, so a standby must not wait on it.
+    // No server error attached: I/O, connect or protocol failure on our side of the socket.
+    // A TLS failure is the exception: a certificate not trusted or not for this host, or no
+    // common protocol. That is a configuration error that no retry mends, so a standby must
+    // not wait on it.
     std::error::Error::source(e)
         .and_then(|s| s.downcast_ref::<std::io::Error>())
         .is_some_and(|io| !io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()))

@@ -1390,21 +1390,21 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
     // never the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
     let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
-    // The library's defaults for the TTL: renewal every TTL/3 leaves another TTL/3 of retries
-    // (about one a second) before the local deadline at 2/3 TTL, which itself comes before the
-    // DB expiry.
+    // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
+    // (about one a second) before the local deadline at 2/3 TTL. That deadline itself comes
+    // before the DB expiry.
     let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
 
-    // A signal before the lease is taken gives up the opening: `open_until` returns once a
-    // setup still waiting (at the fence for the old holder's writes, say) is cancelled on the
-    // server, so the exit leaves nothing behind; exit 0, the lease never held.
+    // A signal before the lease is taken gives up the opening. A setup may still be waiting,
+    // at the fence for the old holder's writes, say. `open_until` returns once it is cancelled
+    // on the server, so the exit leaves nothing behind. Exit 0, the lease never held.
     let opened = if args.wait {
         let standby = builder.standby();
         let mut progress = standby.progress();
         let (trouble_sender, mut trouble) = mpsc::unbounded_channel();
         *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(trouble_sender);
         // A report is made by a connection attempt of the CLI's own, which names the server
-        // and gives the whole cause; spawned, so the standby's opening is never held up.
+        // and gives the whole cause. It is spawned, so the standby's opening is never held up.
         let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
         let mut reported_at: Option<tokio::time::Instant> = None;
         let mut probing = false;

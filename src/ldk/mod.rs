@@ -83,19 +83,19 @@ pub struct LdkStore {
     inner: blocking::PgKvStore,
 }
 
-// LDK's test helpers want `K: KVStoreSync + RefUnwindSafe`. The auto traits do not hold: the
-// store's state sits behind tokio's `Mutex`, `RwLock`, `Semaphore` and `watch`, and deadpool's
-// pool holds `dyn Fn` hooks, none of which implement them. The promise holds all the same:
+// LDK's test helpers want `K: KVStoreSync + RefUnwindSafe`. The auto traits do not hold. The
+// store's state sits behind tokio's `Mutex`, `RwLock`, `Semaphore` and `watch`. Deadpool's
+// pool holds `dyn Fn` hooks. None of these implement them. The promise holds all the same:
 // after a caught panic, no caller sees a broken invariant.
-// - Every shared value changes in one step under its lock: the lease state is replaced whole,
-//   the renewal thread's handle is only ever taken out, and a key's applied version is set
-//   only after its statement committed (a turn dropped while unwinding records nothing). The
+// - Every shared value changes in one step under its lock. The lease state is replaced whole.
+//   The renewal thread's handle is only ever taken out. A key's applied version is set only
+//   after its statement committed; a turn dropped while unwinding records nothing. The
 //   key-order and queue maps are behind `std::sync::Mutex`es used whatever their poison.
 // - The gate (`RwLock<()>`) and the statement `Semaphore` guard no data; their guards and
 //   permits are given back by `Drop` while unwinding. So are pooled connections.
 // - A panic in the middle of an operation is a case the store is built for:
 //   `LeaseLossPolicy::Panic` raises one. The guards dropped while unwinding (a mutation whose
-//   statement may have been sent) make the store fail closed, so a caller who catches the
+//   statement may have been sent) make the store fail closed. So a caller who catches the
 //   panic gets `LeaseLost` from then on, never a write out of order.
 // - The hooks and the connector are set at open and never change.
 impl std::panic::RefUnwindSafe for LdkStore {}
@@ -249,7 +249,7 @@ impl LdkStore {
         key: &str,
         buf: Vec<u8>,
     ) -> impl Future<Output = io::Result<()>> + 'static + Send {
-        // The async store takes the key's place in its order here, in the call; spawning it now
+        // The async store takes the key's place in its order here, in the call. Spawning it now
         // starts the write whether or not the caller ever polls the returned future.
         self.spawn(self.inner.store.write(primary, secondary, key, buf))
     }
