@@ -156,10 +156,10 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
-        // Armed from the first attempt that broke after it was sent until this returns: the
-        // old session being gone only means nothing of it can land *later*; it may have
-        // committed already. Every return settles it: `Ok` is a committed retry, and every
-        // error after such an attempt has failed the store closed already.
+        // Armed from the first attempt that broke after it was sent until this returns. The
+        // old session being gone only means nothing of it can land *later*. It may have
+        // committed already. Every return settles it: `Ok` is a committed retry. Every error
+        // after such an attempt has failed the store closed already.
         let mut unresolved = None;
         let mut result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
         if mutation {
@@ -217,14 +217,14 @@ impl Executor {
                 () = self.lease.deadline_reported() => None,
             };
             let Some(result) = answered else {
-                // No answer by the local deadline (a server or network that stopped answering
-                // with the connection still up: renewal cannot confirm the lease either, or it
-                // would have moved the deadline). The store fails closed now, as every later
-                // operation would; a mutation sent may still commit, as one that locked the
-                // lease row before a loss may, and its caller is told its outcome is unknown:
-                // `LeaseLost`, also if a close() released the lease since the deadline was
-                // seen (`deadline_reported` returns only while the lease is not given up, but
-                // a release can land right after).
+                // No answer by the local deadline. A server or network stopped answering with
+                // the connection still up. Renewal cannot confirm the lease either, or it would
+                // have moved the deadline. The store fails closed now, as every later operation
+                // would. A mutation sent may still commit, as one that locked the lease row
+                // before a loss may. Its caller is told its outcome is unknown: `LeaseLost`.
+                // That holds also if a close() released the lease since the deadline was seen.
+                // (`deadline_reported` returns only while the lease is not given up, but a
+                // release can land right after.)
                 tracing::error!(
                     operation,
                     "pgfence gave up waiting for the server at the local deadline"
@@ -237,10 +237,9 @@ impl Executor {
             };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
-                    // Armed once, by the first attempt that broke, and built lazily: a guard
+                    // Armed once, by the first attempt that broke, and built lazily. A guard
                     // built for a later one and dropped, armed, would fail the store closed at
-                    // once (and abort the process under `Abort`) instead of letting the
-                    // retries go on.
+                    // once, and abort the process under `Abort`. The retries could not go on.
                     unresolved.get_or_insert_with(|| OutcomePending { lease: &self.lease });
                     self.await_backend_gone(backend).await
                 }
