@@ -68,11 +68,12 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired, SetupFailed> {
     let cancel = client.cancel_token();
-    // Read committed whatever `default_transaction_isolation` says: each statement must see
-    // what was committed before it, above all what a concurrent setup committed while this one
-    // waited for the setup lock (the lease it took). Under repeatable read or serializable the
-    // snapshot would be older than that wait, and taking the lease would fail with a
-    // serialization error instead of finding it held (which ends a standby's wait for good).
+    // Read committed whatever `default_transaction_isolation` says. Each statement must see
+    // what was committed before it. Above all, it must see what a concurrent setup committed
+    // while this one waited for the setup lock: the lease it took. Under repeatable read or
+    // serializable the snapshot would be older than that wait. Taking the lease would then fail
+    // with a serialization error instead of finding it held. That error ends a standby's wait
+    // for good.
     let begin = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start();
     let mut tx = tokio::select! {
         biased;
@@ -95,8 +96,8 @@ pub(crate) async fn setup_and_acquire(
             return Err(Error::Closed.into());
         }
         Some(Err(e)) => {
-            // Not waited for once the caller is gone (a server that stopped answering right
-            // after the error would hold it up for good): the connection is then closed
+            // Not waited for once the caller is gone. A server that stopped answering right
+            // after the error would hold it up for good. The connection is then closed
             // instead (see `open_here`), which rolls back as well. `caller` was pending above,
             // so polling it again is sound.
             let rolled_back = tokio::select! {
@@ -251,9 +252,9 @@ async fn prepare(
         });
     };
     let epoch: i64 = row.get(0);
-    // The acquisition may have waited at the fence for the old owner's writes: count the TTL,
-    // and the local deadline, from after that wait (from before this statement: the local
-    // deadline must not come after the database's expiry).
+    // The acquisition may have waited at the fence for the old owner's writes. Count the TTL,
+    // and the local deadline, from after that wait. Count from before this statement, though:
+    // the local deadline must not come after the database's expiry.
     let started = crate::clock::clock();
     // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
     tx.query_one(&statements.restart_expiry, &[&holder.owner_id, &ttl_ms])
