@@ -86,8 +86,8 @@ impl Executor {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
         }
-        // Only close() takes the write lock (setting `closed` first), and while it waits for
-        // it no read lock is granted: a failure here means the store is closing.
+        // Only close() takes the write lock (setting `closed` first). While it waits for it,
+        // no read lock is granted. So a failure here means the store is closing.
         Arc::clone(&self.gate).try_read_owned().map_err(|_| Error::Closed)
     }
 
@@ -316,7 +316,7 @@ impl Executor {
         let mut backoff = Duration::from_millis(20);
         loop {
             // A lost lease fails every later operation of this store, so no later call can be
-            // overwritten; the old statement, if it commits, still commits before any takeover.
+            // overwritten. The old statement, if it commits, still commits before any takeover.
             self.lease.check()?;
             let attempt = async {
                 let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;

@@ -226,7 +226,7 @@ async fn prepare(
         tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
     }
 
-    // Resolved here, in the transaction that took the setup lock by the same rule, so the
+    // Resolved here, in the transaction that took the setup lock by the same rule. So the
     // release wakes every standby of this table, however it spelled the name.
     let channel = notify_channel(tx, table).await.map_err(Error::db("resolve table schema"))?;
     let ttl_ms = ttl.as_millis() as i64;

@@ -1518,8 +1518,8 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
         }
         return Err(lost.unwrap_or(Exit { code: 5, message: "lease lost".to_owned() }));
     }
-    // Orderly: let the writer finish the write in flight (it never starts another after
-    // `stop`), so close() releases after the last write of this epoch, not beside it. A second
+    // Orderly: let the writer finish the write in flight; it never starts another after
+    // `stop`. So close() releases after the last write of this epoch, not beside it. A second
     // signal skips the wait, as an impatient operator expects.
     let shutdown = async {
         let _ = stop.send(true); // The writer may have ended already; then nothing listens.

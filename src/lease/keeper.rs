@@ -121,8 +121,8 @@ impl Keeper {
             Err(_) => None,
         };
         if let Some(thread) = self.thread.take() {
-            // The reply is sent as the thread's last act, and a thread that dropped the request
-            // is unwinding out of its runtime: either way this join is immediate.
+            // The reply is sent as the thread's last act. A thread that dropped the request is
+            // unwinding out of its runtime. Either way this join is immediate.
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
         answer.unwrap_or_else(|| Err(self.ended()))

@@ -78,8 +78,8 @@ async fn open_here(
 
     // Every wait for the server below ends when the caller is gone (`Error::Closed`), so
     // that `open_until` returns at its stop even from a server that stopped answering. A
-    // connection left with a statement unanswered then is closed, never handed back to a
-    // pool (the application's own, with `builder_from_pool`): its next user would queue
+    // connection left with a statement unanswered then is closed. It is never handed back to
+    // a pool (the application's own, with `builder_from_pool`). Its next user would queue
     // behind that statement, and a cancel request may land late.
     let connecting = connect(&pool, config.as_ref(), &builder.tls, builder.connect_timeout);
     let mut client = unless_abandoned(&mut caller, connecting).await?;
