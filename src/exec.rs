@@ -369,8 +369,8 @@ impl Executor {
     /// The close sequence of [`crate::PgKvStore::close`], which documents it.
     pub(crate) async fn close(&self) -> Result<()> {
         self.closed.store(true, Ordering::SeqCst);
-        // Releasing while an operation still runs is safe (a takeover still waits for its
-        // FOR KEY SHARE lock), so a hung operation only delays close() by `drop_timeout`.
+        // Releasing while an operation still runs is safe: a takeover still waits for its
+        // FOR KEY SHARE lock. So a hung operation only delays close() by `drop_timeout`.
         let finished = tokio::time::timeout(self.drop_timeout, self.gate.write()).await;
         // Held across the release, so a concurrent close() returns only once it is done.
         let mut keeper = self.keeper.lock().await;

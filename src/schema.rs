@@ -113,8 +113,8 @@ pub(crate) async fn setup_and_acquire(
         Some(Ok(acquired)) => acquired,
     };
     if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
-        // Gone: the connection is closed (see `open_here`), which rolls back; waiting for a
-        // ROLLBACK here could wait for good (and `caller`, now complete, must not be polled).
+        // Gone: the connection is closed (see `open_here`), which rolls back. Waiting for a
+        // ROLLBACK here could wait for good. And `caller`, now complete, must not be polled.
         drop(tx);
         return Err(Error::Closed.into());
     }
@@ -364,7 +364,7 @@ pub(crate) async fn create_database(
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
     // Aborted if this future is dropped while the statement waits (the caller of `open()`
-    // gone): nothing of the opening is left running on the runtime then.
+    // gone). Nothing of the opening is left running on the runtime then.
     let connection = crate::connect::AbortOnDrop(Some(connection));
     let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;
     drop(client);

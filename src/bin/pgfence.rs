@@ -1191,8 +1191,8 @@ async fn release(builder: Builder, confirmed: bool, json: bool) -> Result<(), Ex
             "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
             held.holder, held.epoch, held.owner_id
         ),
-        // Released nothing. A live holder now took the lease while this command ran (the
-        // release is by the owner it found): name it, and do not release it unasked.
+        // Released nothing. A live holder now took the lease while this command ran. The
+        // release is by the owner it found. Name the new holder, and do not release it unasked.
         None => match now {
             Some(now) => format!(
                 "released nothing: the lease changed hands while this command ran and is held by \
@@ -1386,8 +1386,8 @@ enum Ended {
 const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
 
 async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
-    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0",
-    // never the default instant death that would leave the lease to expire by TTL.
+    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0".
+    // They never mean the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
     let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
     // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
@@ -1500,9 +1500,9 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
     };
     if let Ended::Lost = ended {
         // Report at once: the process must stop now, whatever the cleanup costs. Nothing of
-        // this store can commit any more, so the write in flight is simply dropped. Awaiting the
-        // aborted writer (it stops at its next await) keeps a `write` event for a write that
-        // committed before the loss from being printed after `lost`.
+        // this store can commit any more, so the write in flight is simply dropped. We await the
+        // aborted writer; it stops at its next await. Then a `write` event for a write that
+        // committed before the loss is never printed after `lost`.
         if let Some(handle) = writer {
             handle.abort();
             if !handle.is_finished() {

@@ -76,8 +76,8 @@ async fn open_here(
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
     };
 
-    // Every wait for the server below ends when the caller is gone (`Error::Closed`), so
-    // that `open_until` returns at its stop even from a server that stopped answering. A
+    // Every wait for the server below ends when the caller is gone (`Error::Closed`). So
+    // `open_until` returns at its stop even from a server that stopped answering. A
     // connection left with a statement unanswered then is closed. It is never handed back to
     // a pool (the application's own, with `builder_from_pool`). Its next user would queue
     // behind that statement, and a cancel request may land late.

@@ -121,12 +121,12 @@ impl Coalescer {
         path: &KeyPath,
         mutation: Mutation,
     ) -> Result<()> {
-        // Below `write_concurrency` a statement is free (a released permit goes to a waiting
-        // caller first, so a free one means nobody waits): run at once, without queueing.
+        // Below `write_concurrency` a statement is free: run at once, without queueing. A
+        // released permit goes to a waiting caller first, so a free one means nobody waits.
         if let Ok(_permit) = self.statements.try_acquire() {
             return apply_alone(exec, path, &mutation).await;
         }
-        // A store that has lost its lease fails at once instead of queueing behind statements
+        // A store that has lost its lease fails at once. It does not queue behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
         // it: this operation was admitted before, and close() waits for it.)
         exec.lease.check()?;
