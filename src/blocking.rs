@@ -50,7 +50,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::{Builder, LeaseInfo, LeaseState, Page, PageToken, Standby};
 
-/// Worker threads of the facade's runtime: one would do for the I/O; a second keeps a
+/// Worker threads of the facade's runtime. One would do for the I/O. A second keeps a
 /// multi-MiB value's encoding from delaying every other operation of the store.
 const WORKER_THREADS: usize = 2;
 
@@ -249,8 +249,8 @@ impl PgKvStore {
         self.lease_watch().wait_while_held(timeout)
     }
 
-    /// A watcher of the lease that holds no store: a watchdog thread takes one, waits in
-    /// [`LeaseWatch::wait_while_held`], and stops the application when the lease leaves `Held`.
+    /// A watcher of the lease that holds no store. A watchdog thread takes one and waits in
+    /// [`LeaseWatch::wait_while_held`]. It stops the application when the lease leaves `Held`.
     /// Unlike a store handle, it does not keep the lease alive. When the application drops its
     /// last handle, the lease is released. The watchdog then sees `Released`, or `Abandoned` if
     /// the release failed.
@@ -418,8 +418,8 @@ impl Drop for IoRuntime {
     }
 }
 
-/// Catches a panic of the wrapped future, so `block_on` can hand it to the waiting caller
-/// instead of leaving it with a closed channel and no explanation.
+/// Catches a panic of the wrapped future, so `block_on` can hand it to the waiting caller.
+/// Otherwise the caller would be left with a closed channel and no explanation.
 struct CatchUnwind<F>(Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {

@@ -18,8 +18,8 @@ use crate::keys::{MAX_BATCH_BYTES, TableName};
 ///
 /// A store that released its lease with `close()` has lost nothing, and no policy applies. A
 /// write still running then may yet get [`Error::LeaseLost`] with
-/// [`crate::LossReason::WriteOutcomeUnknown`] (its statement may have committed: read the key
-/// back), without a panic or an abort.
+/// [`crate::LossReason::WriteOutcomeUnknown`], without a panic or an abort. Its statement may
+/// have committed: read the key back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum LeaseLossPolicy {
@@ -27,18 +27,18 @@ pub enum LeaseLossPolicy {
     /// decides what to do. The default.
     #[default]
     FailClosed,
-    /// Also panic: in the task that called the operation that found the loss, or on the
-    /// renewal thread when renewal found it (after one attempt to release the lease). A panic
-    /// on the renewal thread stops the process only when it is built with `panic = "abort"`;
-    /// otherwise that thread ends, without the retries of the release that `FailClosed` goes
-    /// on with, and [`crate::PgKvStore::close`] returns [`Error::LeaseLost`]. A loss found
+    /// Also panic, in the task that called the operation that found the loss. When renewal
+    /// found it, the renewal thread panics, after one attempt to release the lease. A panic
+    /// on the renewal thread stops the process only when it is built with `panic = "abort"`.
+    /// Otherwise that thread ends, and [`crate::PgKvStore::close`] returns
+    /// [`Error::LeaseLost`]. The release is then not retried, as `FailClosed` would. A loss found
     /// where no caller can be told (a write's task dropped mid-statement when its runtime shut
     /// down) panics in the next operation.
     Panic,
     /// Log at error level, then `std::process::abort()`: nothing of the process runs on. This
-    /// includes a loss found when a write's task is dropped mid-statement: shutting down a
+    /// includes a loss found when a write's task is dropped mid-statement. So shutting down a
     /// runtime while a write runs on it aborts the process, since that write's outcome is
-    /// unknown (await or close the store's writes before shutting a runtime down).
+    /// unknown. Await or close the store's writes before shutting a runtime down.
     Abort,
 }
 
@@ -99,8 +99,8 @@ const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
-/// The shortest `drop_timeout`: it also bounds the lease release, which cannot finish in no
-/// time (with zero, `close()` never released and a standby waited out the TTL).
+/// The shortest `drop_timeout`. It also bounds the lease release, which cannot finish in no
+/// time. With zero, `close()` never released and a standby waited out the TTL.
 const MIN_DROP_TIMEOUT: Duration = Duration::from_millis(100);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// tokio-postgres's keepalive idle time when none is configured: an idle time other than this
@@ -174,9 +174,9 @@ impl Builder {
         self
     }
 
-    /// How often the background task renews the lease (default half the local deadline, which is
-    /// a third of the TTL while the deadline is left at its default: 10 s of 30 s). Must be
-    /// shorter than the local deadline, so that a failed renewal can be retried before it.
+    /// How often the background task renews the lease (default half the local deadline). With
+    /// the default deadline, that is a third of the TTL: 10 s of 30 s. Must be shorter than
+    /// the local deadline, so that a failed renewal can be retried before it.
     pub fn renew_interval(mut self, interval: Duration) -> Self {
         self.renew_interval = Some(interval);
         self
@@ -199,15 +199,15 @@ impl Builder {
 
     /// How many single-key write statements (`write`, `remove`) may run at once (default 4;
     /// 1 to 10,000, else `open()` fails with [`Error::InvalidConfig`]).
-    /// A `write` or `remove` that arrives while that many run waits, and the next statement
-    /// to start applies the oldest waiting mutations (up to 1,000 of them and 16 MiB of values;
-    /// of different keys: each key's order is kept) in one fenced statement, like a
-    /// [`crate::Batch`]: one lease check and one commit for all of them. With many concurrent
+    /// A `write` or `remove` that arrives while that many run waits. The next statement to start
+    /// applies the oldest waiting mutations in one fenced statement, like a [`crate::Batch`]. So
+    /// all of them share one lease check and one commit. It takes up to 1,000 mutations and 16 MiB
+    /// of values. They may be of different keys, and each key's order is kept. With many concurrent
     /// writers this keeps throughput at the level of unfenced writes; below this many writers
-    /// nothing waits. Each call still gets its own result: if a shared statement fails, each of
-    /// its mutations runs again alone, still within this many statements at once. Batches from
-    /// [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let every
-    /// mutation have a statement of its own while a connection is free.
+    /// nothing waits. Each call still gets its own result. If a shared statement fails, each of its
+    /// mutations runs again alone, still within this many statements at once. Batches from
+    /// [`crate::PgKvStore::batch`] are not counted. Set it to the pool size to let every mutation
+    /// have a statement of its own while a connection is free.
     pub fn write_concurrency(mut self, statements: usize) -> Self {
         self.write_concurrency = statements;
         self
@@ -235,8 +235,8 @@ impl Builder {
     }
 
     /// How long dropping the last handle (and outstanding operation) of a store waits for the
-    /// lease release, and how long [`crate::PgKvStore::close`] waits for running operations
-    /// before releasing anyway (default 5 s). Dropping never waits longer and never panics.
+    /// lease release (default 5 s). Also how long [`crate::PgKvStore::close`] waits for running
+    /// operations before releasing anyway. Dropping never waits longer and never panics.
     /// It also bounds the release itself, which may need a new connection and a round trip.
     /// So it must be at least 100 ms, else `open()` fails with [`Error::InvalidConfig`].
     /// Leave it well above a few round trips to the server.
@@ -245,33 +245,33 @@ impl Builder {
         self
     }
 
-    /// Time limit for making a connection (default 10 s): the TCP connect with the server's
-    /// startup and authentication, and then, timed again, the statement that sets the new
-    /// session to read committed (so a pooled connection may take up to about twice this).
-    /// Also the limit for the quick checks on a connection before `open()`'s setup, a cancel
-    /// request, the connection that creates a missing database (not its `CREATE DATABASE`),
-    /// and releasing the lease of a setup whose commit went unanswered or whose renewal thread
-    /// could not start. Each bounds a wait for an answer that a server that stopped
-    /// answering would never give. (A `connect_timeout` in the connection string bounds only
-    /// the TCP connect, within this.)
+    /// Time limit for making a connection (default 10 s). It bounds the TCP connect with the
+    /// server's startup and authentication. Timed again, it bounds the statement that then sets
+    /// the new session to read committed. So a pooled connection may take up to about twice
+    /// this. It also limits the quick checks on a connection before `open()`'s setup, and a
+    /// cancel request. It limits the connection that creates a missing database, but not its
+    /// `CREATE DATABASE`. And it limits releasing the lease of a setup whose commit went
+    /// unanswered or whose renewal thread could not start. Each bounds a wait for an answer
+    /// that a server that stopped answering would never give. (A `connect_timeout` in the
+    /// connection string bounds only the TCP connect, within this.)
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
     /// Encrypts every connection the store opens with TLS (rustls), and verifies the server as
-    /// `config` says: give it the roots to trust (the `webpki-roots` crate's for a public
-    /// certificate authority, or your own CA's) and the server's certificate must match the
-    /// host name (or IP address) connected to. Every connection then *requires* TLS: the pool's,
-    /// the lease renewal's and a standby's own; a server that does not offer it is an error,
+    /// `config` says. Give `config` the roots to trust: the `webpki-roots` crate's for a public
+    /// certificate authority, or your own CA's. The server's certificate must match the host
+    /// name (or IP address) connected to. Every connection then *requires* TLS: the pool's,
+    /// the lease renewal's and a standby's own. A server that does not offer it is an error,
     /// never a silent fall-back to plain text. TCP hosts only: PostgreSQL offers no TLS on a Unix
     /// socket, so a Unix socket host is refused by `open()` too.
     ///
-    /// Without it the store connects without TLS, and a connection string asking for
-    /// `sslmode=require` is refused by `open()` (`InvalidConfig { field: "tls" }`) rather than
-    /// sent in plain text; so is `sslmode=disable` with it. For a store built on a pool
-    /// ([`crate::PgKvStore::builder_from_pool`]) the pool's own connector decides; setting this
-    /// too is refused.
+    /// Without it the store connects without TLS. A connection string asking for
+    /// `sslmode=require` is then refused by `open()` (`InvalidConfig { field: "tls" }`), rather
+    /// than sent in plain text. With it, `sslmode=disable` is refused too. For a store built on
+    /// a pool ([`crate::PgKvStore::builder_from_pool`]) the pool's own connector decides;
+    /// setting this too is refused.
     pub fn tls(mut self, config: rustls::ClientConfig) -> Self {
         self.tls = Tls::rustls(config);
         self
@@ -285,19 +285,22 @@ impl Builder {
         self
     }
 
-    /// The connection configuration every connection of the store uses, with pgfence's
-    /// defaults filled in where the caller set nothing: the connect timeout; a TCP user timeout
-    /// of one TTL, so a statement on a connection whose peer vanished (a partition: no reset
-    /// ever arrives) fails after a TTL instead of hanging for the kernel's retransmission
-    /// timeout of many minutes; TCP keepalives after one TTL without a word from the server
-    /// (at least a second, at most the 32,767 s Linux accepts), every second, so a connection
-    /// waiting for an answer that was lost on the way (nothing of ours unacknowledged, so the
-    /// user timeout alone never fires) ends about a second later, by that same user timeout,
-    /// instead of after the kernel's two hours of keepalive idle time (a caller who configured
-    /// keepalives keeps them); an
-    /// `application_name` of `pgfence <app>` so operators can
-    /// find the store's sessions; and, with [`Builder::tls`], `sslmode=require`. `None` for a
-    /// pool source.
+    /// The connection configuration every connection of the store uses. Where the caller set
+    /// nothing, it has pgfence's defaults:
+    /// - The connect timeout.
+    /// - A TCP user timeout of one TTL. A statement on a connection whose peer vanished (a
+    ///   partition: no reset ever arrives) then fails after a TTL. It does not hang for the
+    ///   kernel's retransmission timeout of many minutes.
+    /// - TCP keepalives after one TTL without a word from the server, then every second. The
+    ///   idle time is at least a second, at most the 32,767 s Linux accepts. A connection may
+    ///   wait for an answer that was lost on the way. Nothing of ours is then unacknowledged,
+    ///   so the user timeout alone never fires. The keepalives make that same user timeout end
+    ///   the connection about a second later. Otherwise it would wait the kernel's two hours
+    ///   of keepalive idle time. A caller who configured keepalives keeps them.
+    /// - An `application_name` of `pgfence <app>`, so operators can find the store's sessions.
+    /// - With [`Builder::tls`], `sslmode=require`.
+    ///
+    /// `None` for a pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
         let Source::Config(config) = &self.source else { return None };
         let mut config = (**config).clone();
@@ -315,9 +318,9 @@ impl Builder {
             && config.get_keepalives_interval().is_none()
             && config.get_keepalives_retries().is_none();
         if keepalives_untouched {
-            // Whole seconds: the kernel takes nothing shorter, nor longer than its maximum (a
-            // TTL of hours; the user timeout of one TTL still ends a connection that stopped
-            // answering, only not before the TTL).
+            // Whole seconds: the kernel takes nothing shorter, nor longer than its maximum. A
+            // TTL of hours is clamped to it. The user timeout of one TTL still ends a connection
+            // that stopped answering, only not before the TTL.
             config
                 .keepalives_idle(self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE));
             config.keepalives_interval(Duration::from_secs(1));
@@ -412,9 +415,9 @@ impl Builder {
         if self.page_size == 0 || self.page_size > 100_000 {
             return Err(Error::config("page_size", "must be between 1 and 100000"));
         }
-        // PostgreSQL takes no NUL in a connection's startup parameters or a text value: the
-        // connection would fail to encode it, an error that looks like a connection failure
-        // and on which a standby would wait forever.
+        // PostgreSQL takes no NUL in a connection's startup parameters or a text value. The
+        // connection would fail to encode it. That error looks like a connection failure, and
+        // a standby would wait on it forever.
         if self.application_name.contains('\0') {
             return Err(Error::config("application_name", "must not contain a NUL byte"));
         }

@@ -1,7 +1,7 @@
 //! How the store connects: plain, or TLS for every connection when [`crate::Builder::tls`] is
-//! set, and at read committed whatever the database's default isolation level. The pool and
-//! the connections of their own (lease renewal, a standby's LISTEN, creating a missing
-//! database) all go through here, so none of them can be plain, or stricter, by mistake.
+//! set, and at read committed whatever the database's default isolation level. The pool goes
+//! through here. So do the connections of their own: lease renewal, a standby's LISTEN, and
+//! creating a missing database. So none of them can be plain, or stricter, by mistake.
 
 use std::fmt;
 use std::sync::Arc;
@@ -62,8 +62,8 @@ impl Tls {
             }
         };
         // Aborted if this future is dropped while the `SET` waits (given up after a timeout,
-        // or the caller gone): the task would otherwise wait for the answer, left running on
-        // the runtime after the opening returned.
+        // or the caller gone). The task would otherwise wait for the answer. It would be left
+        // running on the runtime after the opening returned.
         let task = AbortOnDrop(Some(task));
         client.batch_execute(sql::READ_COMMITTED).await?;
         Ok((client, task.detach()))
@@ -89,13 +89,13 @@ impl Drop for AbortOnDrop {
 }
 
 /// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`], given at most
-/// `timeout` (the connect timeout, which tokio-postgres applies only to the TCP connect, and
-/// the pool to creating the connection, not to its hooks): a server that stopped answering
-/// would otherwise hold it up for good. Session state of a pooled connection, but of a pool
-/// the store built and nobody else uses, whose recycling (`Fast`) resets nothing. The fence
-/// does not rest on it: under a stricter level a mutation still commits nothing without the
-/// lease (its lock fails instead); it only makes the store report a takeover as the loss it
-/// is.
+/// `timeout`. A server that stopped answering would otherwise hold it up for good. `timeout`
+/// is the connect timeout. tokio-postgres applies that only to the TCP connect, and the pool
+/// only to creating the connection, not to its hooks. Session state of a pooled connection,
+/// but of a pool the store built and nobody else uses, whose recycling (`Fast`) resets
+/// nothing. The fence does not rest on it. Under a stricter level a mutation still commits
+/// nothing without the lease; its lock fails instead. This setting only makes the store
+/// report a takeover as the loss it is.
 pub(crate) fn read_committed(timeout: Duration) -> Hook {
     Hook::async_fn(move |client, _| {
         Box::pin(async move {
@@ -108,11 +108,11 @@ pub(crate) fn read_committed(timeout: Duration) -> Hook {
 }
 
 impl Tls {
-    /// Asks the server to cancel the statement running on the connection of `token`, over a
-    /// connection made like the others (a store on a pool, whose connector is unknown here,
-    /// asks without TLS). Given up after `limit`: over TLS the request waits for the server's
-    /// answer to its SSLRequest and for the handshake, which a server that stopped answering
-    /// never gives (without TLS, only the TCP connect is waited for).
+    /// Asks the server to cancel the statement running on the connection of `token`. The
+    /// request goes over a connection made like the others. A store on a pool, whose connector
+    /// is unknown here, asks without TLS. Given up after `limit`. Over TLS the request waits
+    /// for the server's answer to its SSLRequest and for the handshake. A server that stopped
+    /// answering never gives them. Without TLS, only the TCP connect is waited for.
     pub(crate) async fn cancel(&self, token: &CancelToken, limit: Duration) -> Result<()> {
         let sent = async {
             match &self.0 {
@@ -127,21 +127,21 @@ impl Tls {
     }
 }
 
-/// A TLS client configuration for [`crate::Builder::tls`] that trusts exactly `roots`, with
-/// rustls's ring provider and its default protocol versions (TLS 1.2 and 1.3), whatever
-/// provider the process has installed as its default. It offers no client certificate: see
-/// [`tls_client_config_with_cert`] for a server that asks for one.
+/// A TLS client configuration for [`crate::Builder::tls`] that trusts exactly `roots`. It uses
+/// rustls's ring provider and its default protocol versions (TLS 1.2 and 1.3). That holds
+/// whatever provider the process has installed as its default. It offers no client
+/// certificate: see [`tls_client_config_with_cert`] for a server that asks for one.
 pub fn tls_client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
     tls_builder(roots).with_no_client_auth()
 }
 
 /// [`tls_client_config`], but also presenting `cert_chain` (the client's certificate first)
-/// with its private `key`, for a server whose `pg_hba.conf` asks for a client certificate
+/// with its private `key`. For a server whose `pg_hba.conf` asks for a client certificate
 /// (method `cert`, or `clientcert=verify-full`).
 ///
-/// Fails with [`Error::InvalidConfig`] (field `"tls"`) when the chain is empty or the key is
-/// not usable (an unsupported type, or malformed); whether the key matches the certificate is
-/// checked by the server, which then refuses the connection.
+/// Fails with [`Error::InvalidConfig`] (field `"tls"`) when the chain is empty. It fails the
+/// same way when the key is not usable (an unsupported type, or malformed). Whether the key
+/// matches the certificate is checked by the server, which then refuses the connection.
 pub fn tls_client_config_with_cert(
     roots: rustls::RootCertStore,
     cert_chain: Vec<CertificateDer<'static>>,

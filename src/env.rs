@@ -116,9 +116,9 @@ pub struct TlsOptions {
 /// An empty variable counts as unset, as in libpq. A password file with group or world
 /// access is ignored with a warning in [`Resolved::warnings`], as libpq does.
 ///
-/// Fails with [`Error::InvalidConfig`] for a connection string that does not parse, a
-/// variable that does not parse (the field names it), or TLS settings that contradict each
-/// other. Nothing is read from the network.
+/// Fails with [`Error::InvalidConfig`] for a connection string or a variable that does not
+/// parse; for a variable, the field names it. It also fails so for TLS settings that
+/// contradict each other. Nothing is read from the network.
 pub fn resolve(
     url: Option<&str>,
     options: TlsOptions,
@@ -219,10 +219,10 @@ fn default_socket_dir(port: u16) -> Option<&'static str> {
     SOCKET_DIRS.into_iter().find(|dir| Path::new(dir).join(format!(".s.PGSQL.{port}")).exists())
 }
 
-/// The password for the first host of `config` in the password file `path`, by libpq's rules:
-/// lines `host:port:database:user:password`, `*` matching anything, `\` escaping `:` and `\`,
-/// `#` starting a comment; the first matching line wins. A missing file is no password; a file
-/// with group or world access is ignored with a warning, as libpq does.
+/// The password for the first host of `config` in the password file `path`, by libpq's rules.
+/// Lines are `host:port:database:user:password`, and the first matching line wins. `*`
+/// matches anything, `\` escapes `:` and `\`, and `#` starts a comment. A missing file is no
+/// password; a file with group or world access is ignored with a warning, as libpq does.
 fn passfile_password(path: &Path, config: &Config, warnings: &mut Vec<String>) -> Option<String> {
     use std::os::unix::fs::PermissionsExt;
     let metadata = std::fs::metadata(path).ok()?;
@@ -282,9 +282,9 @@ fn split_passfile_line(line: &str) -> Vec<String> {
 }
 
 /// The TLS files: options first, then `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY`, as
-/// `PGSSLMODE` (or the string's `sslmode`) asks. pgfence always verifies the server's
-/// certificate and host name when it uses TLS, so a mode that asks for TLS needs the
-/// certificate authorities; `verify-ca` is verified as `verify-full`.
+/// `PGSSLMODE` (or the string's `sslmode`) asks. With TLS, pgfence always verifies the
+/// server's certificate and host name. So a mode that asks for TLS needs the certificate
+/// authorities, and `verify-ca` is verified as `verify-full`.
 fn tls_files(
     url: Option<&str>,
     config: &mut Config,

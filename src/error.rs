@@ -38,12 +38,12 @@ pub enum Error {
 
     /// This store no longer owns the lease. Permanent: every later operation fails the same way.
     ///
-    /// The statement that found the loss wrote nothing. But if a connection broke under an
-    /// earlier attempt of the same call, that attempt may have committed, while the lease was
-    /// still held: read the key back. (The reason is [`LossReason::WriteOutcomeUnknown`] when
-    /// the store failed closed because of that attempt; if the lease was lost meanwhile for
-    /// another reason, `Fenced` say, that reason is given.) The same holds for a mutation still
-    /// waiting for the server's answer at the local deadline (reason `DeadlinePassed`): it was
+    /// The statement that found the loss wrote nothing. But a connection may have broken under
+    /// an earlier attempt of the same call. That attempt may have committed while the lease was
+    /// still held: read the key back. The reason is [`LossReason::WriteOutcomeUnknown`] when
+    /// the store failed closed because of that attempt. If the lease was lost meanwhile for
+    /// another reason, `Fenced` say, that reason is given. The same holds for a mutation still
+    /// waiting for the server's answer at the local deadline (reason `DeadlinePassed`). It was
     /// sent, and may still commit. It is never reordered against other calls of the key.
     #[error("lease lost (epoch {epoch}): {reason}")]
     LeaseLost {
@@ -132,9 +132,9 @@ pub enum Error {
         source: Box<deadpool_postgres::PoolError>,
     },
 
-    /// The renewal thread or its runtime could not be started; or (a bug of this crate) the
-    /// renewal thread panicked, with the lease not lost, before it released the lease: it is
-    /// no longer renewed and expires by TTL. (The renewal thread's panic of
+    /// The renewal thread or its runtime could not be started. Or the renewal thread panicked
+    /// before it released the lease, with the lease not lost; that is a bug of this crate. The
+    /// lease is then no longer renewed and expires by TTL. (The renewal thread's panic of
     /// [`crate::LeaseLossPolicy::Panic`] is reported as [`Error::LeaseLost`].)
     #[error("the lease renewal thread could not be started, or it failed")]
     Runtime {
@@ -179,11 +179,12 @@ pub enum LossReason {
     /// database-side expiry. Operations still waiting for the server's answer then return with
     /// it too (a server or network that stopped answering, with the connection still up).
     DeadlinePassed,
-    /// A write's statement may still commit and its outcome cannot be learned: its connection
-    /// broke and the server session running it could not be confirmed ended, or its retries
-    /// ended in an error (so it may have committed, or not), or the task running it was
-    /// dropped mid-statement (its runtime shut down). The store stops rather than risk that
-    /// write landing after a later call of the same key, or an earlier call overwriting it.
+    /// A write's statement may still commit and its outcome cannot be learned. There are three
+    /// causes. Its connection broke and the server session running it could not be confirmed
+    /// ended. Or its retries ended in an error, so it may have committed, or not. Or the task
+    /// running it was dropped mid-statement (its runtime shut down). The store stops rather
+    /// than risk that write landing after a later call of the same key, or an earlier call
+    /// overwriting it.
     WriteOutcomeUnknown,
 }
 
@@ -247,9 +248,10 @@ impl Error {
         matches!(self, Error::NotFound(_))
     }
 
-    /// True when the same call may succeed if tried again: a broken connection, a server that
-    /// refuses connections for now (restarting, or too many connections), a pool that had no
-    /// connection in time, a timeout. Never true for lease loss or invalid input.
+    /// True when the same call may succeed if tried again. That covers a broken connection,
+    /// and a server that refuses connections for now (restarting, or too many connections). It
+    /// also covers a pool that had no connection in time, and a timeout. Never true for lease
+    /// loss or invalid input.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source, .. } => is_connection_error(source),
@@ -291,20 +293,23 @@ pub(crate) fn is_connection_error(e: &tokio_postgres::Error) -> bool {
         return true;
     }
     if let Some(db) = e.as_db_error() {
-        // Class 08: connection exception; 57P01..57P03: admin shutdown, crash shutdown,
-        // cannot connect now (server restarting); 53300: too many connections (refused at
-        // connection start, for the server, the database or the role: before any statement);
-        // 25P03: the server ended a session left idle in a transaction (the setup's
-        // `idle_in_transaction_session_timeout`), a FATAL error that reaches the client as the
-        // answer to the statement it sent meanwhile when the link was slow: the session is
-        // gone, as after a broken connection, and a standby must keep waiting.
+        // - Class 08: connection exception.
+        // - 57P01..57P03: admin shutdown, crash shutdown, cannot connect now (server
+        //   restarting).
+        // - 53300: too many connections. It is refused at connection start, before any
+        //   statement, for the server, the database or the role.
+        // - 25P03: the server ended a session left idle in a transaction (the setup's
+        //   `idle_in_transaction_session_timeout`). This FATAL error may reach the client as
+        //   the answer to the statement it sent meanwhile, when the link was slow. The
+        //   session is gone, as after a broken connection, and a standby must keep waiting.
         let code = db.code().code();
         return code.starts_with("08")
             || matches!(code, "57P01" | "57P02" | "57P03" | "53300" | "25P03");
     }
-    // No server error attached: I/O, connect or protocol failure on our side of the socket;
-    // except a TLS failure (a certificate not trusted or not for this host, no common
-    // protocol): a configuration error that no retry mends, so a standby must not wait on it.
+    // No server error attached: I/O, connect or protocol failure on our side of the socket.
+    // A TLS failure is the exception: a certificate not trusted or not for this host, or no
+    // common protocol. That is a configuration error that no retry mends, so a standby must
+    // not wait on it.
     std::error::Error::source(e)
         .and_then(|s| s.downcast_ref::<std::io::Error>())
         .is_some_and(|io| !io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()))

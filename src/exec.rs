@@ -86,8 +86,8 @@ impl Executor {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
         }
-        // Only close() takes the write lock (setting `closed` first), and while it waits for
-        // it no read lock is granted: a failure here means the store is closing.
+        // Only close() takes the write lock (setting `closed` first). While it waits for it,
+        // no read lock is granted. So a failure here means the store is closing.
         Arc::clone(&self.gate).try_read_owned().map_err(|_| Error::Closed)
     }
 
@@ -117,8 +117,8 @@ impl Executor {
     /// for an operation already admitted ([`Executor::admit`]).
     ///
     /// Fails fast with `LeaseLost` before touching the database. A broken
-    /// connection or an unavailable server is retried on a fresh connection, with backoff,
-    /// while the lease is locally valid and for at most `retry_for`.
+    /// connection or an unavailable server is retried on a fresh connection, with backoff.
+    /// Retries go on while the lease is locally valid, and for at most `retry_for`.
     ///
     /// # A connection that broke after a mutation was sent
     ///
@@ -156,10 +156,10 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
-        // Armed from the first attempt that broke after it was sent until this returns: the
-        // old session being gone only means nothing of it can land *later*; it may have
-        // committed already. Every return settles it: `Ok` is a committed retry, and every
-        // error after such an attempt has failed the store closed already.
+        // Armed from the first attempt that broke after it was sent until this returns. The
+        // old session being gone only means nothing of it can land *later*. It may have
+        // committed already. Every return settles it: `Ok` is a committed retry. Every error
+        // after such an attempt has failed the store closed already.
         let mut unresolved = None;
         let mut result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
         if mutation {
@@ -217,14 +217,14 @@ impl Executor {
                 () = self.lease.deadline_reported() => None,
             };
             let Some(result) = answered else {
-                // No answer by the local deadline (a server or network that stopped answering
-                // with the connection still up: renewal cannot confirm the lease either, or it
-                // would have moved the deadline). The store fails closed now, as every later
-                // operation would; a mutation sent may still commit, as one that locked the
-                // lease row before a loss may, and its caller is told its outcome is unknown:
-                // `LeaseLost`, also if a close() released the lease since the deadline was
-                // seen (`deadline_reported` returns only while the lease is not given up, but
-                // a release can land right after).
+                // No answer by the local deadline. A server or network stopped answering with
+                // the connection still up. Renewal cannot confirm the lease either, or it would
+                // have moved the deadline. The store fails closed now, as every later operation
+                // would. A mutation sent may still commit, as one that locked the lease row
+                // before a loss may. Its caller is told its outcome is unknown: `LeaseLost`.
+                // That holds also if a close() released the lease since the deadline was seen.
+                // (`deadline_reported` returns only while the lease is not given up, but a
+                // release can land right after.)
                 tracing::error!(
                     operation,
                     "pgfence gave up waiting for the server at the local deadline"
@@ -237,10 +237,9 @@ impl Executor {
             };
             let gone = match (&result, &sent_to) {
                 (Err(e), Some(backend)) if e.is_retryable() => {
-                    // Armed once, by the first attempt that broke, and built lazily: a guard
+                    // Armed once, by the first attempt that broke, and built lazily. A guard
                     // built for a later one and dropped, armed, would fail the store closed at
-                    // once (and abort the process under `Abort`) instead of letting the
-                    // retries go on.
+                    // once, and abort the process under `Abort`. The retries could not go on.
                     unresolved.get_or_insert_with(|| OutcomePending { lease: &self.lease });
                     self.await_backend_gone(backend).await
                 }
@@ -317,7 +316,7 @@ impl Executor {
         let mut backoff = Duration::from_millis(20);
         loop {
             // A lost lease fails every later operation of this store, so no later call can be
-            // overwritten; the old statement, if it commits, still commits before any takeover.
+            // overwritten. The old statement, if it commits, still commits before any takeover.
             self.lease.check()?;
             let attempt = async {
                 let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;
@@ -370,8 +369,8 @@ impl Executor {
     /// The close sequence of [`crate::PgKvStore::close`], which documents it.
     pub(crate) async fn close(&self) -> Result<()> {
         self.closed.store(true, Ordering::SeqCst);
-        // Releasing while an operation still runs is safe (a takeover still waits for its
-        // FOR KEY SHARE lock), so a hung operation only delays close() by `drop_timeout`.
+        // Releasing while an operation still runs is safe: a takeover still waits for its
+        // FOR KEY SHARE lock. So a hung operation only delays close() by `drop_timeout`.
         let finished = tokio::time::timeout(self.drop_timeout, self.gate.write()).await;
         // Held across the release, so a concurrent close() returns only once it is done.
         let mut keeper = self.keeper.lock().await;
@@ -470,9 +469,9 @@ pub(crate) async fn detached<T: Send + 'static>(
 /// It goes back to the pool once its statements are answered, with a result or an error
 /// ([`Checkout::answered`]). Dropped before, it is taken out of the pool. The next user would
 /// otherwise queue behind the unanswered statement, on a hung server for good. It is dropped
-/// before when the attempt was abandoned at the local deadline, when a read's caller dropped
-/// its future, or when its task was dropped. Dropping it closes the connection at once:
-/// deadpool aborts the task of a connection taken out of its pool.
+/// before when the attempt was abandoned at the local deadline. It is also dropped before when a
+/// read's caller dropped its future, or when its task was dropped. Dropping it closes the
+/// connection at once: deadpool aborts the task of a connection taken out of its pool.
 pub(crate) struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {

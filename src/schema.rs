@@ -68,11 +68,12 @@ pub(crate) async fn setup_and_acquire(
     holder: &Holder,
 ) -> Result<Acquired, SetupFailed> {
     let cancel = client.cancel_token();
-    // Read committed whatever `default_transaction_isolation` says: each statement must see
-    // what was committed before it, above all what a concurrent setup committed while this one
-    // waited for the setup lock (the lease it took). Under repeatable read or serializable the
-    // snapshot would be older than that wait, and taking the lease would fail with a
-    // serialization error instead of finding it held (which ends a standby's wait for good).
+    // Read committed whatever `default_transaction_isolation` says. Each statement must see
+    // what was committed before it. Above all, it must see what a concurrent setup committed
+    // while this one waited for the setup lock: the lease it took. Under repeatable read or
+    // serializable the snapshot would be older than that wait. Taking the lease would then fail
+    // with a serialization error instead of finding it held. That error ends a standby's wait
+    // for good.
     let begin = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start();
     let mut tx = tokio::select! {
         biased;
@@ -95,8 +96,8 @@ pub(crate) async fn setup_and_acquire(
             return Err(Error::Closed.into());
         }
         Some(Err(e)) => {
-            // Not waited for once the caller is gone (a server that stopped answering right
-            // after the error would hold it up for good): the connection is then closed
+            // Not waited for once the caller is gone. A server that stopped answering right
+            // after the error would hold it up for good. The connection is then closed
             // instead (see `open_here`), which rolls back as well. `caller` was pending above,
             // so polling it again is sound.
             let rolled_back = tokio::select! {
@@ -112,8 +113,8 @@ pub(crate) async fn setup_and_acquire(
         Some(Ok(acquired)) => acquired,
     };
     if caller.try_recv() != Err(oneshot::error::TryRecvError::Empty) {
-        // Gone: the connection is closed (see `open_here`), which rolls back; waiting for a
-        // ROLLBACK here could wait for good (and `caller`, now complete, must not be polled).
+        // Gone: the connection is closed (see `open_here`), which rolls back. Waiting for a
+        // ROLLBACK here could wait for good. And `caller`, now complete, must not be polled.
         drop(tx);
         return Err(Error::Closed.into());
     }
@@ -225,7 +226,7 @@ async fn prepare(
         tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
     }
 
-    // Resolved here, in the transaction that took the setup lock by the same rule, so the
+    // Resolved here, in the transaction that took the setup lock by the same rule. So the
     // release wakes every standby of this table, however it spelled the name.
     let channel = notify_channel(tx, table).await.map_err(Error::db("resolve table schema"))?;
     let ttl_ms = ttl.as_millis() as i64;
@@ -251,9 +252,9 @@ async fn prepare(
         });
     };
     let epoch: i64 = row.get(0);
-    // The acquisition may have waited at the fence for the old owner's writes: count the TTL,
-    // and the local deadline, from after that wait (from before this statement: the local
-    // deadline must not come after the database's expiry).
+    // The acquisition may have waited at the fence for the old owner's writes. Count the TTL,
+    // and the local deadline, from after that wait. Count from before this statement, though:
+    // the local deadline must not come after the database's expiry.
     let started = crate::clock::clock();
     // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
     tx.query_one(&statements.restart_expiry, &[&holder.owner_id, &ttl_ms])
@@ -363,7 +364,7 @@ pub(crate) async fn create_database(
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
     let quoted = format!("\"{}\"", name.replace('"', "\"\""));
     // Aborted if this future is dropped while the statement waits (the caller of `open()`
-    // gone): nothing of the opening is left running on the runtime then.
+    // gone). Nothing of the opening is left running on the runtime then.
     let connection = crate::connect::AbortOnDrop(Some(connection));
     let result = client.batch_execute(&format!("CREATE DATABASE {quoted}")).await;
     drop(client);

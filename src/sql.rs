@@ -17,8 +17,8 @@ use crate::keys::TableName;
 pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 
 /// Serializes concurrent setups of one table. Transaction-scoped: released at commit or
-/// rollback, on the connection that took it, so it is safe on a pooled connection (a
-/// session-scoped lock is not: see the design notes). `$2` is the schema (NULL: the schema an
+/// rollback, on the connection that took it. So it is safe on a pooled connection. A
+/// session-scoped lock is not: see the design notes. `$2` is the schema (NULL: the schema an
 /// unqualified name is created in), so `t` and `public.t` take the same lock.
 pub(crate) const SETUP_LOCK: &str = r#"
 SELECT pg_advisory_xact_lock($1::int,
@@ -37,7 +37,7 @@ pub(crate) const TABLE_SCHEMA: &str = "SELECT coalesce($1::text, current_schema(
 pub(crate) const SETUP_TIMEOUTS: &str =
     "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
 
-/// Next in the setup transaction: the server ends the session if it is left idle in the
+/// Next in the setup transaction. The server ends the session if it is left idle in the
 /// transaction for one TTL (`$1`, in milliseconds, as text).
 ///
 /// Its client may be paused, or gone without a trace, cut off by a partition. The server
@@ -234,8 +234,8 @@ SELECT EXISTS (SELECT 1 FROM valid)"#;
 ///
 /// The removes' arrays are read through scalar subqueries, `(SELECT $6::text[])`, so that
 /// PostgreSQL cannot see their length while planning. It estimates `unnest` of a plain
-/// parameter at the array's real length in a custom plan and at 10 rows in the generic one,
-/// and the delete's join costs in proportion. Take a table of 100,000 keys and fewer than
+/// parameter at the array's real length in a custom plan, and at 10 rows in the generic one.
+/// The delete's join costs in proportion. Take a table of 100,000 keys and fewer than
 /// about ten removes. The generic plan then always looked costlier, and the statement was
 /// planned afresh on every execution. That cost 0.15-0.25 ms each time, measured with three
 /// puts and one remove.
@@ -332,8 +332,8 @@ pub(crate) const BACKEND_IDENTITY: &str =
 /// no prepared statement, which a pooler in transaction mode may not keep.
 pub(crate) const BACKEND_PID: &str = "SELECT pg_backend_pid()";
 
-/// Whether this session's role may see and end the store's own sessions, which ending the
-/// session of a write with an unknown outcome needs (see `TERMINATE_BACKEND`). Seeing and
+/// Whether this session's role may see and end the store's own sessions. Ending the session
+/// of a write with an unknown outcome needs that (see `TERMINATE_BACKEND`). Seeing and
 /// signalling require the privileges of the session (login) user: false after `SET ROLE` to a
 /// role without them. Calling `pg_terminate_backend` at all requires EXECUTE on it, which a
 /// hardened database may have revoked from PUBLIC. Its signature is `(integer, bigint)` since

@@ -121,8 +121,8 @@ enum Command {
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
-    /// Lists keys in byte order: of a namespace pair (one key a line), or without SUB of a
-    /// primary namespace, or without NS of the whole table (`NS/SUB/KEY` a line).
+    /// Lists keys in byte order. With NS and SUB: of a namespace pair (one key a line). Without
+    /// SUB: of a primary namespace. Without NS: of the whole table (`NS/SUB/KEY` a line).
     Ls {
         /// Primary namespace (may be empty: "").
         #[arg(value_name = "NS")]
@@ -187,8 +187,8 @@ struct HoldArgs {
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_secs)]
     ttl: Duration,
 
-    /// Stand by until the lease can be taken (woken at once by a graceful release, otherwise
-    /// right after the holder's lease expires) instead of failing with exit 3.
+    /// Stand by until the lease can be taken, instead of failing with exit 3. A graceful
+    /// release wakes it at once; otherwise it wakes right after the holder's lease expires.
     #[arg(long)]
     wait: bool,
 
@@ -287,7 +287,7 @@ fn grant_hint(error: &(dyn std::error::Error + 'static)) -> Option<String> {
 }
 
 /// The error and its sources on one line. tokio-postgres already shows its cause in its own
-/// message, so a source whose text is already there is not repeated.
+/// message. So a source whose text is already there is not repeated.
 fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut line = error.to_string();
     let mut source = error.source();
@@ -322,8 +322,8 @@ fn main() -> ExitCode {
 }
 
 /// Parses the command line and the environment. An environment variable set to the empty
-/// string counts as unset (containers often set every variable, some empty), for the TLS files
-/// as for `DATABASE_URL`: clap would take it as an empty value, which a path option refuses
+/// string counts as unset, for the TLS files as for `DATABASE_URL`. Containers often set every
+/// variable, some empty. clap would take it as an empty value, which a path option refuses
 /// ("a value is required"). An empty value given on the command line is still refused.
 fn parse_cli() -> Result<Cli, clap::Error> {
     let mut command = Cli::command();
@@ -363,7 +363,8 @@ static STANDBY_TROUBLE: std::sync::Mutex<Option<mpsc::UnboundedSender<String>>> 
     std::sync::Mutex::new(None);
 
 /// Passes the standby's warnings (retries, LISTEN trouble) to `hold --wait`, which reports
-/// them itself: rate-limited, with the whole cause, and as a JSON event a supervisor can see.
+/// them itself. It reports them rate-limited, with the whole cause, and as a JSON event a
+/// supervisor can see.
 /// The library logs them about once a second, with the cause cut to its first line.
 struct StandbyTrouble;
 
@@ -403,11 +404,11 @@ fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
     event.target() == "pgfence::standby" && *event.level() == tracing::Level::WARN
 }
 
-/// The library's events that the CLI reports itself, which would otherwise say the same thing
-/// twice: the lease loss (the `lost` event and the exit-5 error line), an operator's force
-/// release (the `release` command's own output) and the standby's warnings (see
-/// [`StandbyTrouble`]). Recognised by level, module and a field only they have, as the library
-/// gives its events no stable names.
+/// The library's events that the CLI reports itself; otherwise both would say the same thing.
+/// They are the lease loss (the `lost` event and the exit-5 error line), and an operator's
+/// force release (the `release` command's own output). They also include the standby's
+/// warnings (see [`StandbyTrouble`]). Recognised by level, module and a field only they have,
+/// as the library gives its events no stable names.
 fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
     // Targets are module paths: the lease's events come from its submodules.
@@ -705,8 +706,8 @@ fn put_value(value: Option<OsString>, file: Option<PathBuf>) -> Result<Vec<u8>, 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where a command connects, for the checks the CLI makes itself before handing over to the
-/// library: that the database (and for reads, the table) exists. The library's `open()`
-/// creates a missing database and table, which a typo must not do.
+/// library. It checks that the database exists, and for reads the table too. The library's
+/// `open()` creates a missing database and table, which a typo must not do.
 #[derive(Clone)]
 struct Target {
     config: tokio_postgres::Config,
@@ -1116,8 +1117,8 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
 }
 
 /// Closes a store after a one-shot mutation, releasing the lease at once. The mutation's
-/// error, if any, is the one reported; a failed release after a successful mutation is an
-/// error too (the change is committed, but the lease now expires only by its TTL).
+/// error, if any, is the one reported. A failed release after a successful mutation is an
+/// error too. The change is committed, but the lease now expires only by its TTL.
 async fn finish(store: PgKvStore, result: pgfence::Result<()>) -> Result<(), Exit> {
     let closed = store.close().await;
     result?;
@@ -1190,8 +1191,8 @@ async fn release(builder: Builder, confirmed: bool, json: bool) -> Result<(), Ex
             "released the lease held by {} (epoch {}, owner {}); it is fenced from its next write",
             held.holder, held.epoch, held.owner_id
         ),
-        // Released nothing. A live holder now took the lease while this command ran (the
-        // release is by the owner it found): name it, and do not release it unasked.
+        // Released nothing. A live holder now took the lease while this command ran. The
+        // release is by the owner it found. Name the new holder, and do not release it unasked.
         None => match now {
             Some(now) => format!(
                 "released nothing: the lease changed hands while this command ran and is held by \
@@ -1385,25 +1386,25 @@ enum Ended {
 const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
 
 async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
-    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0",
-    // never the default instant death that would leave the lease to expire by TTL.
+    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0".
+    // They never mean the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
     let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
-    // The library's defaults for the TTL: renewal every TTL/3 leaves another TTL/3 of retries
-    // (about one a second) before the local deadline at 2/3 TTL, which itself comes before the
-    // DB expiry.
+    // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
+    // (about one a second) before the local deadline at 2/3 TTL. That deadline itself comes
+    // before the DB expiry.
     let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
 
-    // A signal before the lease is taken gives up the opening: `open_until` returns once a
-    // setup still waiting (at the fence for the old holder's writes, say) is cancelled on the
-    // server, so the exit leaves nothing behind; exit 0, the lease never held.
+    // A signal before the lease is taken gives up the opening. A setup may still be waiting,
+    // at the fence for the old holder's writes, say. `open_until` returns once it is cancelled
+    // on the server, so the exit leaves nothing behind. Exit 0, the lease never held.
     let opened = if args.wait {
         let standby = builder.standby();
         let mut progress = standby.progress();
         let (trouble_sender, mut trouble) = mpsc::unbounded_channel();
         *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(trouble_sender);
         // A report is made by a connection attempt of the CLI's own, which names the server
-        // and gives the whole cause; spawned, so the standby's opening is never held up.
+        // and gives the whole cause. It is spawned, so the standby's opening is never held up.
         let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
         let mut reported_at: Option<tokio::time::Instant> = None;
         let mut probing = false;
@@ -1499,9 +1500,9 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
     };
     if let Ended::Lost = ended {
         // Report at once: the process must stop now, whatever the cleanup costs. Nothing of
-        // this store can commit any more, so the write in flight is simply dropped. Awaiting the
-        // aborted writer (it stops at its next await) keeps a `write` event for a write that
-        // committed before the loss from being printed after `lost`.
+        // this store can commit any more, so the write in flight is simply dropped. We await the
+        // aborted writer; it stops at its next await. Then a `write` event for a write that
+        // committed before the loss is never printed after `lost`.
         if let Some(handle) = writer {
             handle.abort();
             if !handle.is_finished() {
@@ -1517,8 +1518,8 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
         }
         return Err(lost.unwrap_or(Exit { code: 5, message: "lease lost".to_owned() }));
     }
-    // Orderly: let the writer finish the write in flight (it never starts another after
-    // `stop`), so close() releases after the last write of this epoch, not beside it. A second
+    // Orderly: let the writer finish the write in flight; it never starts another after
+    // `stop`. So close() releases after the last write of this epoch, not beside it. A second
     // signal skips the wait, as an impatient operator expects.
     let shutdown = async {
         let _ = stop.send(true); // The writer may have ended already; then nothing listens.
@@ -1561,8 +1562,8 @@ async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Ex
     Ok(())
 }
 
-/// Bounds the cleanup after a loss: the release it attempts is a no-op (by owner id, and the
-/// lease is no longer ours), so it must not hold up the exit.
+/// Bounds the cleanup after a loss. The release it attempts is a no-op (by owner id, and the
+/// lease is no longer ours). So it must not hold up the exit.
 const CLEANUP_LIMIT: Duration = Duration::from_secs(5);
 
 /// If the store's lease is lost: prints the `lost` event and returns exit 5.
@@ -1596,7 +1597,7 @@ async fn counter_start(store: &PgKvStore, counter: &CounterKey) -> Result<u64, E
 
 /// Writes `{"counter":N,"epoch":E}` every `every` until stopped, one write at a time, and
 /// prints a `write` event for each committed one. Returns the first error that is not worth
-/// retrying on the next tick (lease lost, closed, anything but a connection problem); a
+/// retrying on the next tick: lease lost, closed, anything but a connection problem. A
 /// connection problem the store could not ride out itself is reported and retried.
 async fn write_counter(
     store: PgKvStore,

@@ -16,37 +16,39 @@
 //!
 //! # Semantics, as the traits document them
 //!
-//! - **Async `write`/`remove` keep the order of the calls**, not of the futures: the key's place
-//!   in its order is taken in the call, and the operation starts at once on the store's runtime.
+//! - **Async `write`/`remove` keep the order of the calls**, not of the futures. The call takes
+//!   the key's place in its order, and the operation starts at once on the store's runtime.
 //!   An earlier call's value never overwrites a later one's, however the futures are polled;
 //!   a dropped future's operation still runs to the end.
 //! - `remove` is `Ok` whether or not the key existed; a `lazy` remove is executed eagerly.
 //! - `list` of an unknown namespace is empty; keys come in byte order (LDK allows any order).
-//! - `list_paginated` (0.3 only) returns keys newest-created first (an overwrite keeps a key's
-//!   place), in pages of the builder's `page_size`, with an opaque token that survives deletions.
+//! - `list_paginated` (0.3 only) returns keys newest-created first. An overwrite keeps a key's
+//!   place. Pages hold the builder's `page_size` keys, with an opaque token that survives
+//!   deletions.
 //! - `list_all_keys` returns every key of the table.
 //! - Errors are `lightning::io::Error`s (convertible to and from `std::io::Error`, kind and
-//!   cause kept) whose kinds LDK can act on: `NotFound` (missing key),
-//!   `InvalidInput` (invalid key or namespace; LDK's alphabet and 120-character limit are the
-//!   store's own), `PermissionDenied` (lease lost: this process may never write again),
-//!   `AlreadyExists` (lease held by another live store, at open), `NotConnected` (closed). The
-//!   [`crate::Error`] is kept inside: downcast `e.get_ref()` to see it.
+//!   cause kept) whose kinds LDK can act on. `NotFound`: a missing key. `InvalidInput`: an
+//!   invalid key or namespace; LDK's alphabet and 120-character limit are the store's own.
+//!   `PermissionDenied`: the lease was lost, and this process may never write again.
+//!   `AlreadyExists`: at open, the lease is held by another live store. `NotConnected`: closed.
+//!   The [`crate::Error`] is kept inside: downcast `e.get_ref()` to see it.
 //!
 //! # Sync and async, from anywhere
 //!
 //! An `LdkStore` owns the runtime of a [`blocking::PgKvStore`] and runs every operation there,
-//! sync or async, and the store is opened there, so that every connection of its pool is driven
+//! sync or async. The store is opened there too, so that every connection of its pool is driven
 //! by that runtime. The sync traits therefore work from a plain thread, from a multi-thread
-//! runtime and from a current-thread runtime (where LDK often calls them from async code),
-//! without deadlock and without panic; they block the calling thread for the operation.
+//! runtime and from a current-thread runtime. LDK often calls them from async code on the
+//! latter. They work without deadlock and without panic, and block the calling thread for the
+//! operation.
 //!
 //! # Lease loss
 //!
 //! LDK keeps running after a failed persist unless the application stops it. A lost lease
 //! means another node instance now owns the channel state: this one must stop at once. Watch
 //! [`LdkStore::lease_state`] (or wait on [`LdkStore::lease_watch`] in a thread) and shut the
-//! node down when it leaves `Held`, or open the store with
-//! [`crate::LeaseLossPolicy::Abort`] (or `Panic` in a binary built with `panic = "abort"`).
+//! node down when it leaves `Held`. Or open the store with [`crate::LeaseLossPolicy::Abort`],
+//! or with `Panic` in a binary built with `panic = "abort"`.
 //! See `examples/ldk.rs` and the README's LDK section.
 
 use std::future::Future;
@@ -81,19 +83,19 @@ pub struct LdkStore {
     inner: blocking::PgKvStore,
 }
 
-// LDK's test helpers want `K: KVStoreSync + RefUnwindSafe`. The auto traits do not hold: the
-// store's state sits behind tokio's `Mutex`, `RwLock`, `Semaphore` and `watch`, and deadpool's
-// pool holds `dyn Fn` hooks, none of which implement them. The promise holds all the same:
+// LDK's test helpers want `K: KVStoreSync + RefUnwindSafe`. The auto traits do not hold. The
+// store's state sits behind tokio's `Mutex`, `RwLock`, `Semaphore` and `watch`. Deadpool's
+// pool holds `dyn Fn` hooks. None of these implement them. The promise holds all the same:
 // after a caught panic, no caller sees a broken invariant.
-// - Every shared value changes in one step under its lock: the lease state is replaced whole,
-//   the renewal thread's handle is only ever taken out, and a key's applied version is set
-//   only after its statement committed (a turn dropped while unwinding records nothing). The
+// - Every shared value changes in one step under its lock. The lease state is replaced whole.
+//   The renewal thread's handle is only ever taken out. A key's applied version is set only
+//   after its statement committed; a turn dropped while unwinding records nothing. The
 //   key-order and queue maps are behind `std::sync::Mutex`es used whatever their poison.
 // - The gate (`RwLock<()>`) and the statement `Semaphore` guard no data; their guards and
 //   permits are given back by `Drop` while unwinding. So are pooled connections.
 // - A panic in the middle of an operation is a case the store is built for:
 //   `LeaseLossPolicy::Panic` raises one. The guards dropped while unwinding (a mutation whose
-//   statement may have been sent) make the store fail closed, so a caller who catches the
+//   statement may have been sent) make the store fail closed. So a caller who catches the
 //   panic gets `LeaseLost` from then on, never a write out of order.
 // - The hooks and the connector are set at open and never change.
 impl std::panic::RefUnwindSafe for LdkStore {}
@@ -200,7 +202,7 @@ fn to_io(e: crate::Error) -> io::Error {
 }
 
 /// The operations both lines' traits share, written once. Each async one takes the key's place
-/// in its order in the call and starts at once on the store's runtime; the adapters only wrap
+/// in its order in the call, and starts at once on the store's runtime. The adapters only wrap
 /// the returned future in their line's type.
 impl LdkStore {
     fn read_sync(&self, primary: &str, secondary: &str, key: &str) -> io::Result<Vec<u8>> {
@@ -247,7 +249,7 @@ impl LdkStore {
         key: &str,
         buf: Vec<u8>,
     ) -> impl Future<Output = io::Result<()>> + 'static + Send {
-        // The async store takes the key's place in its order here, in the call; spawning it now
+        // The async store takes the key's place in its order here, in the call. Spawning it now
         // starts the write whether or not the caller ever polls the returned future.
         self.spawn(self.inner.store.write(primary, secondary, key, buf))
     }

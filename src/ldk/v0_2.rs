@@ -1,6 +1,6 @@
-//! The `lightning` 0.2 line (feature `ldk-0_2`), the one ldk-node 0.7 uses: thin adapters over
-//! the shared operations of [`super::LdkStore`]. 0.2's async trait returns boxed futures, and
-//! its `MigratableKVStore` is sync; it has no paginated traits.
+//! The `lightning` 0.2 line (feature `ldk-0_2`), the one ldk-node 0.7 uses. Its traits are thin
+//! adapters over the shared operations of [`super::LdkStore`]. In 0.2 the async trait returns
+//! boxed futures, and `MigratableKVStore` is sync. 0.2 has no paginated traits.
 
 use lightning_0_2::io;
 use lightning_0_2::util::async_poll::AsyncResult;

@@ -121,8 +121,8 @@ impl Keeper {
             Err(_) => None,
         };
         if let Some(thread) = self.thread.take() {
-            // The reply is sent as the thread's last act, and a thread that dropped the request
-            // is unwinding out of its runtime: either way this join is immediate.
+            // The reply is sent as the thread's last act. A thread that dropped the request is
+            // unwinding out of its runtime. Either way this join is immediate.
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
         answer.unwrap_or_else(|| Err(self.ended()))
@@ -201,7 +201,7 @@ enum Step {
 }
 
 /// The decision, from the times alone (all on [`clock`]): `now`, the next renewal and the local
-/// deadline. A sleep ends at the deadline or the renewal, whichever comes first, and never
+/// deadline. A sleep ends at the deadline or the renewal, whichever comes first. It never
 /// lasts longer than [`MAX_NAP`], whatever a timer would say after a suspend.
 fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
     if now >= deadline {
@@ -247,15 +247,16 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     // The first release attempt after a loss found by an operation goes at once.
     let mut next_release = Duration::ZERO;
     let mut released = false;
-    // Until when a release can still matter: the database's expiry of our lease is one TTL
-    // after the last renewal statement that ran (or the acquisition, committed before this
-    // thread started), and a renewal's statement runs before its attempt ends (its answer
-    // arrives, or this thread gives up on it and drops its connection). So this bound is one
-    // TTL after the last attempt ended, not after the last confirmed one started: an attempt
-    // that timed out may still have extended the lease. A statement that runs later still
-    // (held up in the network, or on the server by a lock on the lease row) can outlast the
-    // bound; if every release fails until then, the lease expires by TTL, as it did without
-    // these retries. Only how soon a standby gets in depends on this, never fencing.
+    // Until when a release can still matter. The database's expiry of our lease is one TTL
+    // after the last renewal statement that ran. Before any renewal, it is the acquisition,
+    // committed before this thread started. A renewal's statement runs before its attempt
+    // ends: its answer arrives, or this thread gives up on it and drops its connection. So
+    // this bound is one TTL after the last attempt ended, not after the last confirmed one
+    // started. An attempt that timed out may still have extended the lease. A statement that
+    // runs later still can outlast the bound. It may be held up in the network, or on the
+    // server by a lock on the lease row. If every release fails until then, the lease expires
+    // by TTL, as it did without these retries. Only how soon a standby gets in depends on
+    // this, never fencing.
     let mut expiry_bound = clock() + config.ttl;
     let reply = loop {
         let now = clock();
@@ -414,10 +415,10 @@ async fn connected<'a>(
         let conn = config.connector.connect(config.connect_timeout).await?;
         // The renewal thread's session is its own (never returned to a pool), so session state
         // is safe here. An asynchronous commit makes renewal independent of the writers' WAL
-        // flushes (measured: renewal p99 12.9 ms -> 5.6 ms beside 16 writers). It is safe: a
+        // flushes (measured: renewal p99 12.9 ms -> 5.6 ms beside 16 writers). It is safe. A
         // renewal lost in a database crash only makes the database's expiry earlier than we
-        // think, and every write is checked against the database's row, so a successor can
-        // only fence us sooner, never share the lease. Read committed: a renewal that waited for
+        // think. Every write is checked against the database's row. So a successor can only
+        // fence us sooner, never share the lease. Read committed: a renewal that waited for
         // another update of the lease row must re-read it, not fail (see `sql::READ_COMMITTED`).
         conn.client()
             .batch_execute(sql::RENEWAL_SESSION)
@@ -446,8 +447,8 @@ async fn renew(
     session: &mut Option<Session>,
 ) -> Result<Renewal> {
     let session = connected(config, session).await?;
-    // Checked after connecting (several round trips), right before sending: a renewal of a
-    // lease already lost would extend it in the database by a whole TTL, for nothing, and a
+    // Checked after connecting (several round trips), right before sending. A renewal of a
+    // lease already lost would extend it in the database by a whole TTL, for nothing. A
     // release that then fails would leave a standby waiting that much longer.
     if lease.is_lost() {
         return Ok(Renewal::NotSent);

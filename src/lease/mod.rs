@@ -93,7 +93,7 @@ enum State {
         /// The loss before the release, if any.
         lost: Option<LossReason>,
         /// Set when [`Lease::lose_unreported`] found a mutation that may still commit after
-        /// the release: whoever waited for it must not be told `Closed`, which reads as "not
+        /// the release. Whoever waited for it must not be told `Closed`, which reads as "not
         /// written".
         outcome_unknown: bool,
     },
@@ -104,8 +104,8 @@ enum State {
 enum Event {
     /// Found lost, by renewal or an operation.
     Lost(LossReason),
-    /// A mutation was dropped while it may still commit, with no caller to tell: a loss, or
-    /// after the release only a note that its outcome is unknown.
+    /// A mutation was dropped while it may still commit, with no caller to tell. Before the
+    /// release this is a loss. After it, it is only a note that its outcome is unknown.
     DroppedUnknown(LossReason),
     /// A renewal that started at this instant (on [`clock`]) was confirmed by the database.
     Renewed(Duration),
@@ -182,9 +182,9 @@ impl Lease {
         self.tracked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The one place the lease changes: applies `event`, publishes the first change away from
-    /// `Held` (under the same lock, so publications never overwrite each other) and logs it.
-    /// Returns the state after the event.
+    /// The one place the lease changes. Applies `event`, publishes the first change away from
+    /// `Held`, and logs it. Publishing happens under the same lock, so publications never
+    /// overwrite each other. Returns the state after the event.
     fn transition(&self, event: Event) -> State {
         let mut tracked = self.tracked();
         if let (State::Held, Event::Renewed(started)) = (&tracked.state, &event) {
@@ -248,8 +248,8 @@ impl Lease {
     /// finish.
     ///
     /// Renewal moves the deadline, so it is read again on every wake-up, at least once a
-    /// second. tokio's timers stop while the machine is suspended; the deadline's clock does
-    /// not.
+    /// second. The timers of tokio stop while the machine is suspended. The deadline's clock
+    /// does not.
     pub(crate) async fn deadline_passed(&self) {
         const MAX_NAP: Duration = Duration::from_secs(1);
         loop {
@@ -397,8 +397,8 @@ mod tests {
         lease.subscribe().borrow().clone()
     }
 
-    /// A loss that lands after a release leaves the state `Released`, and a release after a
-    /// loss leaves it `Lost`: only the first change away from `Held` is published.
+    /// A loss that lands after a release leaves the state `Released`. A release after a loss
+    /// leaves it `Lost`. Only the first change away from `Held` is published.
     #[test]
     fn released_and_lost_never_overwrite_each_other() {
         let released_first = lease();

@@ -279,7 +279,7 @@ impl PgKvStore {
 
     /// One page of a namespace pair's keys, newest-created first. Pass `None` for the first
     /// page and then each page's `next_page_token`. Keys deleted between pages never make a
-    /// page repeat or skip a surviving key; keys created after the listing started are not
+    /// page repeat or skip a surviving key. Keys created after the listing started are not
     /// included in later pages.
     pub async fn list_paginated(
         &self,

@@ -76,10 +76,10 @@ async fn open_here(
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
     };
 
-    // Every wait for the server below ends when the caller is gone (`Error::Closed`), so
-    // that `open_until` returns at its stop even from a server that stopped answering. A
-    // connection left with a statement unanswered then is closed, never handed back to a
-    // pool (the application's own, with `builder_from_pool`): its next user would queue
+    // Every wait for the server below ends when the caller is gone (`Error::Closed`). So
+    // `open_until` returns at its stop even from a server that stopped answering. A
+    // connection left with a statement unanswered then is closed. It is never handed back to
+    // a pool (the application's own, with `builder_from_pool`). Its next user would queue
     // behind that statement, and a cancel request may land late.
     let connecting = connect(&pool, config.as_ref(), &builder.tls, builder.connect_timeout);
     let mut client = unless_abandoned(&mut caller, connecting).await?;
@@ -89,9 +89,9 @@ async fn open_here(
         pid: std::process::id() as i32,
         app: builder.application_name.clone(),
     };
-    // Quick statements (they wait for no lock), so given up after `connect_timeout`: a
-    // pooled connection that went silent while idle (a middlebox that hung) then costs this
-    // attempt, which a standby retries, instead of holding it up for good.
+    // Quick statements (they wait for no lock), so given up after `connect_timeout`. A
+    // pooled connection may have gone silent while idle (a middlebox that hung). It then costs
+    // this attempt, which a standby retries, instead of holding it up for good.
     let checks = async {
         // First: the checks below and the setup use prepared statements, and ending a
         // session by pid is only safe with a session of our own.
@@ -169,10 +169,10 @@ async fn open_here(
         Ok(keeper) => keeper,
         Err(e) => {
             // No renewal means no lease: give it back now rather than by TTL, whether or not
-            // the caller is still there. Not waited for beyond `connect_timeout` (a server
-            // that stopped answering would hold the opening up for good); the lease then
-            // expires by its TTL, and the connection, left with the release unanswered, is
-            // closed rather than handed back to the pool.
+            // the caller is still there. Not waited for beyond `connect_timeout`. A server that
+            // stopped answering would hold the opening up for good. The lease then expires by
+            // its TTL. The connection, left with the release unanswered, is closed rather than
+            // handed back to the pool.
             let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
             let release = client.query(&statements.release, &params);
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
@@ -191,13 +191,13 @@ async fn open_here(
             return Err(e);
         }
     };
-    // A table that never had statistics gets them now, so point reads and removes use the
-    // primary key rather than the pagination index (without any, the planner may scan a
+    // A table that never had statistics gets them now. Then point reads and removes use the
+    // primary key rather than the pagination index. Without any, the planner may scan a
     // whole namespace through the latter: measured 1-2.5 ms instead of 0.2 ms per read on
-    // 4,096 keys). Autovacuum keeps them fresh later; an analyzed table is not delayed.
+    // 4,096 keys. Autovacuum keeps them fresh later; an analyzed table is not delayed.
     // Best effort: ANALYZE locks nothing writers need. After the renewal thread started, so
     // that a cancelled open() cannot leave a committed lease without renewal and release.
-    // Not waited for beyond one TTL, nor once the caller is gone: a lock held by someone
+    // Not waited for beyond one TTL, nor once the caller is gone. A lock held by someone
     // else, or a server that stopped answering, would otherwise hold up the opened store
     // (its lease taken) for as long.
     let analyzing = async {
@@ -267,8 +267,8 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 }
 
 /// Refuses a connection through a pooler that hands server sessions out per transaction
-/// (PgBouncer's transaction or statement mode). The store relies on a session of its own: its
-/// prepared statements live in it, and a write whose outcome is unknown is settled by ending
+/// (PgBouncer's transaction or statement mode). The store relies on a session of its own. Its
+/// prepared statements live in it. A write whose outcome is unknown is settled by ending
 /// that session's server process by pid. Behind such a pooler that process may serve another
 /// client.
 ///
@@ -276,7 +276,7 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 /// sessions. So this compares server process ids, which change nothing (simple protocol: no
 /// prepared statement either). `client` asks for its pid `p`; a second connection of the pool
 /// asks for its own; then `client` asks again. Directly or through a session pooler, `client`
-/// keeps server process `p` for as long as it is connected, so no other connection can be
+/// keeps server process `p` for as long as it is connected. So no other connection can be
 /// served by `p`, and `client` never sees another pid. Either observation is therefore proof of
 /// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
 /// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler

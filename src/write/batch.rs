@@ -189,10 +189,10 @@ fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize)
 /// Takes the key turns, then runs the one fenced statement.
 async fn apply(exec: &Executor, entries: Vec<Entry>) -> Result<()> {
     // Turns are taken one key at a time in the map's sorted key order and held together until
-    // the statement has finished. Single-key operations hold one turn at a time and every
-    // batch takes its turns in the same global order, so no two waiters can wait on each
-    // other in a cycle: no deadlock. Holding every turn across the statement (and its retries)
-    // is what keeps per-key order: nothing later of any of these keys can run in between.
+    // the statement has finished. Single-key operations hold one turn at a time. Every batch
+    // takes its turns in the same global order. So no two waiters can wait on each other in a
+    // cycle: no deadlock. Holding every turn across the statement (and its retries) is what
+    // keeps per-key order: nothing later of any of these keys can run in between.
     let mut turns = Vec::with_capacity(entries.len());
     let mut ops = Vec::with_capacity(entries.len());
     for entry in &entries {

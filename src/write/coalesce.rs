@@ -121,12 +121,12 @@ impl Coalescer {
         path: &KeyPath,
         mutation: Mutation,
     ) -> Result<()> {
-        // Below `write_concurrency` a statement is free (a released permit goes to a waiting
-        // caller first, so a free one means nobody waits): run at once, without queueing.
+        // Below `write_concurrency` a statement is free: run at once, without queueing. A
+        // released permit goes to a waiting caller first, so a free one means nobody waits.
         if let Ok(_permit) = self.statements.try_acquire() {
             return apply_alone(exec, path, &mutation).await;
         }
-        // A store that has lost its lease fails at once instead of queueing behind statements
+        // A store that has lost its lease fails at once. It does not queue behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
         // it: this operation was admitted before, and close() waits for it.)
         exec.lease.check()?;
@@ -134,11 +134,11 @@ impl Coalescer {
         self.push(Queued { path: path.clone(), mutation, done });
         let mut waiting =
             Waiting { coalescer: self, lease: &exec.lease, path, carrying_own: false };
-        // While its mutation is queued, a caller competes for a statement; with one, it takes
-        // the oldest queued mutations (its own among them unless more than a group is queued)
-        // and runs them. So whatever is queued always has a caller about to run it. Once its
+        // While its mutation is queued, a caller competes for a statement. With one, it takes
+        // the oldest queued mutations and runs them. Its own is among them unless more than a
+        // group is queued. So whatever is queued always has a caller about to run it. Once its
         // mutation is in a statement (its own or another caller's), it only waits for the
-        // report: it never delays its own result by running other callers' mutations.
+        // report. It never delays its own result by running other callers' mutations.
         loop {
             tokio::select! {
                 biased;
@@ -173,9 +173,9 @@ impl Coalescer {
         match reported {
             Ok(Outcome::Done(result)) => result,
             // The re-run takes a statement like any other, so `write_concurrency` stays a
-            // bound. No deadlock: the caller holds no permit here (it drops the one it ran a
-            // group with before reading the report), and permit holders never wait for a
-            // key's turn.
+            // bound. No deadlock: the caller holds no permit here. It drops the one it ran a
+            // group with before reading the report. And permit holders never wait for a key's
+            // turn.
             Ok(Outcome::Alone(mutation)) => {
                 let _permit =
                     self.statements.acquire().await.expect("the semaphore is never closed");
@@ -208,7 +208,7 @@ impl Coalescer {
         }
         // A lost lease is not run again either: each caller gets the same loss. Its statement
         // may have committed (`WriteOutcomeUnknown`, or `DeadlinePassed` with the statement
-        // still unanswered), and run alone after a close() that released the lease meanwhile,
+        // still unanswered). A close() may have released the lease meanwhile. Run alone then,
         // each mutation would get `Closed`, "not written". (Run alone otherwise, each would
         // fail at its lease check anyway.)
         let lost = match &result {

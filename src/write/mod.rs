@@ -40,8 +40,8 @@ impl Writes {
         }
     }
 
-    /// Takes the key's place in the per-key order: called synchronously, when `write`,
-    /// `remove` or `commit` is called, so the order is the order of the calls.
+    /// Takes the key's place in the per-key order. It is called synchronously, when `write`,
+    /// `remove` or `commit` is called. So the order is the order of the calls.
     pub(crate) fn ticket(
         &self,
         primary_namespace: &str,
