@@ -295,7 +295,12 @@ async fn check_own_session(
     let status = pool.status();
     let other = if status.available > 0 || status.size < status.max_size {
         let other = pool.get().await.map_err(Error::pool(operation))?;
-        Some(backend_pid(&other).await.map_err(Error::db(operation))?)
+        let pid = backend_pid(&other).await.map_err(Error::db(operation))?;
+        // Closed now, not kept in the pool. A partition during the setup that follows would
+        // leave this idle session on the server for hours: the server ends only sessions idle
+        // in a transaction, and it hears of a vanished client only through keepalives.
+        drop(deadpool_postgres::Object::take(other));
+        Some(pid)
     } else if let Some(config) = config {
         let (other, _task) =
             tls.connect(config, "pooler check", None).await.map_err(Error::db(operation))?;
