@@ -591,17 +591,7 @@ fn tls_options_connect_over_verified_tls() {
     let read = run(&url, &table, &["get", "--tls-root-cert", ca, "ns", "sub", "k"], None);
     assert_eq!(read.expect(0, "get over TLS").stdout(), "v");
     let plain = run(&url, &table, &["get", "ns", "sub", "k"], None);
-    // The server names the connection's missing encryption "no encryption" since PostgreSQL 14,
-    // "SSL off" before.
-    let version = tokio::runtime::Runtime::new().expect("runtime").block_on(async {
-        let client = cluster.connect().await.expect("connect over TLS");
-        client.query_one("SHOW server_version_num", &[]).await.expect("version").get::<_, String>(0)
-    });
-    let unencrypted = if version.parse::<i32>().expect("a number") >= 14_00_00 {
-        "no encryption"
-    } else {
-        "SSL off"
-    };
+    let unencrypted = unencrypted_wording(&cluster);
     let refused = plain.expect(1, "get without TLS").stderr.contains("pg_hba.conf rejects");
     assert!(refused && plain.stderr.contains(unencrypted), "{unencrypted}: {plain:?}");
     let no_roots = run(&url, &table, &["status", "--tls-root-cert", empty], None);
@@ -1427,6 +1417,16 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
 }
 
+/// How the server names a connection's missing encryption when pg_hba.conf refuses it:
+/// "no encryption" since PostgreSQL 14, "SSL off" before.
+fn unencrypted_wording(cluster: &TestCluster) -> &'static str {
+    let version = tokio::runtime::Runtime::new().expect("runtime").block_on(async {
+        let client = cluster.connect().await.expect("connect over TLS");
+        client.query_one("SHOW server_version_num", &[]).await.expect("version").get::<_, String>(0)
+    });
+    if version.parse::<i32>().expect("a number") >= 14_00_00 { "no encryption" } else { "SSL off" }
+}
+
 /// Finding 3, TLS: `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT` and `PGSSLKEY` stand in for the
 /// TLS options: verified TLS, a client certificate, and `disable` refused by a server that
 /// takes TLS only. `PGAPPNAME` names the connections.
@@ -1460,7 +1460,8 @@ fn libpq_tls_variables_connect_over_verified_tls() {
 
     let plain = env(&[("PGUSER", "postgres"), ("PGSSLMODE", "disable")]);
     let refused = run_env("", &table, &["get", "ns", "sub", "k"], None, &plain);
-    assert!(refused.expect(1, "sslmode disable").stderr.contains("no encryption"), "{refused:?}");
+    let unencrypted = unencrypted_wording(&cluster);
+    assert!(refused.expect(1, "sslmode disable").stderr.contains(unencrypted), "{refused:?}");
 
     // The certificate role may connect but not use the administrator's table: the doctor
     // says which GRANT fixes that.
