@@ -1,0 +1,378 @@
+//! `pgfence hold`: takes the lease and keeps it, printing one JSON line per lease event.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
+use serde_json::{Value, json};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::{mpsc, watch};
+
+use crate::HoldArgs;
+use crate::exit::{Exit, chain, fail_code};
+use crate::logging::STANDBY_TROUBLE;
+use crate::target::{ConnectError, Target};
+
+/// SIGINT or SIGTERM, whichever comes first.
+struct Signals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, Exit> {
+        let install =
+            |kind| signal(kind).map_err(|e| Exit::other("cannot install signal handler", &e));
+        Ok(Signals {
+            interrupt: install(SignalKind::interrupt())?,
+            terminate: install(SignalKind::terminate())?,
+        })
+    }
+
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}
+
+/// One JSON line on stdout. A closed stdout does not stop the holder: the lease, not the
+/// output, is what it is for.
+fn emit(mut event: Value) {
+    event["at"] = Value::String(utc_now());
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "{event}").and_then(|()| out.flush());
+}
+
+/// The time now, UTC, as RFC 3339 with milliseconds: `2026-12-01T23:57:04.123Z`.
+fn utc_now() -> String {
+    let now = std::time::SystemTime::now();
+    rfc3339(now.duration_since(std::time::UNIX_EPOCH).unwrap_or_default())
+}
+
+/// `since` the Unix epoch as RFC 3339, UTC, with milliseconds.
+fn rfc3339(since: Duration) -> String {
+    let (days, secs) = (since.as_secs() / 86_400, since.as_secs() % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        secs / 3_600,
+        secs % 3_600 / 60,
+        secs % 60,
+        since.subsec_millis()
+    )
+}
+
+/// Where `hold --write-every` writes its counter.
+#[derive(Debug, Clone)]
+pub(crate) struct CounterKey {
+    primary: String,
+    secondary: String,
+    key: String,
+    /// As given on the command line, for the `write` events.
+    name: String,
+}
+
+impl CounterKey {
+    pub(crate) fn parse(name: &str) -> Result<CounterKey, Exit> {
+        let parts: Vec<&str> = name.split('/').collect();
+        let (primary, secondary, key) = match parts.as_slice() {
+            [key] => ("pgfence", "hold", *key),
+            [primary, secondary, key] => (*primary, *secondary, *key),
+            _ => {
+                return Err(Exit::usage(format!(
+                    "--counter-key {name:?}: expected KEY or NS/SUB/KEY"
+                )));
+            }
+        };
+        check_key(primary, secondary, key)?;
+        Ok(CounterKey {
+            primary: primary.to_owned(),
+            secondary: secondary.to_owned(),
+            key: key.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// How `hold` ended, once it holds the lease.
+enum Ended {
+    Signalled,
+    Lost,
+    WriterFailed(Error),
+}
+
+/// How often at most `hold --wait` reports that the standby cannot reach the database.
+const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
+
+pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
+    // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0".
+    // They never mean the default instant death that would leave the lease to expire by TTL.
+    let mut signals = Signals::install()?;
+    let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
+    // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
+    // (about one a second) before the local deadline at 2/3 TTL. That deadline itself comes
+    // before the DB expiry.
+    let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
+
+    // A signal before the lease is taken gives up the opening. A setup may still be waiting,
+    // at the fence for the old holder's writes, say. `open_until` returns once it is cancelled
+    // on the server, so the exit leaves nothing behind. Exit 0, the lease never held.
+    let opened = if args.wait {
+        let standby = builder.standby();
+        let mut progress = standby.progress();
+        let (trouble_sender, mut trouble) = mpsc::unbounded_channel();
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(trouble_sender);
+        // A report is made by a connection attempt of the CLI's own, which names the server
+        // and gives the whole cause. It is spawned, so the standby's opening is never held up.
+        let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
+        let mut reported_at: Option<tokio::time::Instant> = None;
+        let mut probing = false;
+        let opening = standby.open_until(signals.recv());
+        tokio::pin!(opening);
+        let opened = loop {
+            tokio::select! {
+                opened = &mut opening => break opened,
+                Some(warning) = trouble.recv() => {
+                    let due = reported_at.is_none_or(|at| at.elapsed() >= TROUBLE_REPORT_EVERY);
+                    if due && !probing {
+                        probing = true;
+                        let (target, sender) = (target.clone(), report_sender.clone());
+                        tokio::spawn(async move {
+                            let cause = match target.connect().await {
+                                Err(ConnectError::Other(exit)) => exit.message,
+                                Err(ConnectError::NoDatabase(message)) => message,
+                                // Reachable now: the library's own words are all there is.
+                                Ok(_) => warning,
+                            };
+                            let _ = sender.send(cause);
+                        });
+                    }
+                }
+                Some(cause) = reports.recv() => {
+                    probing = false;
+                    reported_at = Some(tokio::time::Instant::now());
+                    emit(json!({ "event": "retrying", "error": cause }));
+                    let _ = writeln!(io::stderr(), "pgfence: standby retrying: {cause}");
+                }
+                Ok(()) = progress.changed() => {
+                    let state = progress.borrow_and_update().clone();
+                    if let StandbyState::Waiting { holder, epoch, expires_in } = state {
+                        emit(json!({
+                            "event": "waiting",
+                            "holder": holder,
+                            "epoch": epoch,
+                            "expires_in_ms": expires_in.as_millis() as u64,
+                        }));
+                    }
+                }
+            }
+        };
+        *STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        opened?
+    } else {
+        builder.open_until(signals.recv()).await?
+    };
+    let Some(store) = opened else { return Ok(()) };
+    let epoch = store.fencing_token();
+    emit(json!({ "event": "acquired", "epoch": epoch, "owner_id": store.owner_id().to_string() }));
+
+    let (stop, stopped) = watch::channel(false);
+    let mut writer = match (counter, args.write_every) {
+        (Some(counter), Some(every)) => {
+            let start = match counter_start(&store, &counter).await {
+                Ok(start) => start,
+                Err(exit) => {
+                    // Reporting the cause; a failed release is only worth a warning beside it.
+                    if let Err(e) = store.close().await {
+                        tracing::warn!(error = %e, "releasing the lease failed");
+                    }
+                    return Err(exit);
+                }
+            };
+            let every = Duration::from_millis(every);
+            Some(tokio::spawn(write_counter(store.clone(), counter, start, every, stopped)))
+        }
+        _ => None,
+    };
+
+    let mut state = store.lease_state();
+    let ended = {
+        let writer_done = async {
+            match writer {
+                Some(ref mut handle) => handle.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(writer_done);
+        tokio::select! {
+            () = signals.recv() => Ended::Signalled,
+            // Renewal (or a write) found the loss: the watch reports it whoever found it.
+            _ = state.wait_for(|s| matches!(s, LeaseState::Lost { .. })) => Ended::Lost,
+            finished = &mut writer_done => match finished {
+                Ok(Err(e)) if e.is_lease_lost() => Ended::Lost,
+                Ok(Err(e)) => Ended::WriterFailed(e),
+                // The writer returns Ok only when stopped, and panics never (nothing in it
+                // unwraps); report either as a failed writer all the same.
+                Ok(Ok(())) | Err(_) => Ended::WriterFailed(Error::Closed),
+            },
+        }
+    };
+    if let Ended::Lost = ended {
+        // Report at once: the process must stop now, whatever the cleanup costs. Nothing of
+        // this store can commit any more, so the write in flight is simply dropped. We await the
+        // aborted writer; it stops at its next await. Then a `write` event for a write that
+        // committed before the loss is never printed after `lost`.
+        if let Some(handle) = writer {
+            handle.abort();
+            if !handle.is_finished() {
+                let _ = handle.await;
+            }
+        }
+        let lost = lost_exit(&store);
+        // Best effort: the release is a no-op by owner id once the lease is someone else's.
+        match tokio::time::timeout(CLEANUP_LIMIT, store.close()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "closing the lost store failed"),
+            Err(_) => tracing::warn!(?CLEANUP_LIMIT, "closing the lost store timed out"),
+        }
+        return Err(lost.unwrap_or(Exit { code: 5, message: "lease lost".to_owned() }));
+    }
+    // Orderly: let the writer finish the write in flight; it never starts another after
+    // `stop`. So close() releases after the last write of this epoch, not beside it. A second
+    // signal skips the wait, as an impatient operator expects.
+    let shutdown = async {
+        let _ = stop.send(true); // The writer may have ended already; then nothing listens.
+        // A writer that already ended was awaited above (its result is in `ended`): a
+        // JoinHandle must not be polled again after it returned.
+        let writer = writer.filter(|_| !matches!(ended, Ended::WriterFailed(_)));
+        let written = match writer {
+            Some(handle) => match handle.await {
+                Ok(result) => result,
+                Err(e) => Err(Error::Runtime { source: io::Error::other(e.to_string()) }),
+            },
+            None => Ok(()),
+        };
+        (written, store.close().await)
+    };
+    let (written, closed) = tokio::select! {
+        done = shutdown => done,
+        // At once, without running destructors: dropping the store would wait for a release.
+        () = signals.recv() => std::process::exit(i32::from(fail_code(Exit {
+            code: 1,
+            message: "signalled again: exiting without releasing the lease; it expires by its TTL"
+                .to_owned(),
+        }))),
+    };
+    // The loss may have been found by the last write or by renewal during the shutdown.
+    if let Some(lost) = lost_exit(&store) {
+        return Err(lost);
+    }
+    if let Ended::WriterFailed(e) = ended {
+        return Err(Exit { code: 1, message: format!("counter write failed: {}", chain(&e)) });
+    }
+    if let Err(e) = written {
+        return Err(Exit { code: 1, message: format!("last counter write failed: {}", chain(&e)) });
+    }
+    closed.map_err(|e| Exit {
+        code: 1,
+        message: format!("releasing the lease failed (it expires by its TTL): {}", chain(&e)),
+    })?;
+    emit(json!({ "event": "released", "epoch": epoch }));
+    Ok(())
+}
+
+/// Bounds the cleanup after a loss. The release it attempts is a no-op (by owner id, and the
+/// lease is no longer ours). So it must not hold up the exit.
+const CLEANUP_LIMIT: Duration = Duration::from_secs(5);
+
+/// If the store's lease is lost: prints the `lost` event and returns exit 5.
+fn lost_exit(store: &PgKvStore) -> Option<Exit> {
+    let (epoch, reason) = match &*store.lease_state().borrow() {
+        LeaseState::Lost { epoch, reason } => (*epoch, reason.to_string()),
+        _ => return None,
+    };
+    emit(json!({ "event": "lost", "epoch": epoch, "reason": reason }));
+    Some(Exit { code: 5, message: format!("lease lost (epoch {epoch}): {reason}") })
+}
+
+/// Where the counter goes on: after the value in the store, written by this or an earlier
+/// holder. A new holder rebuilds its state from the store, as any successor must.
+async fn counter_start(store: &PgKvStore, counter: &CounterKey) -> Result<u64, Exit> {
+    match store.read(&counter.primary, &counter.secondary, &counter.key).await {
+        Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|v| v.get("counter").and_then(Value::as_u64))
+            .map(|n| n + 1)
+            .ok_or_else(|| {
+                Exit::usage(format!(
+                    "--counter-key {}: the key holds a value that is not a pgfence counter",
+                    counter.name
+                ))
+            }),
+        Err(e) if e.is_not_found() => Ok(1),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Writes `{"counter":N,"epoch":E}` every `every` until stopped, one write at a time, and
+/// prints a `write` event for each committed one. Returns the first error that is not worth
+/// retrying on the next tick: lease lost, closed, anything but a connection problem. A
+/// connection problem the store could not ride out itself is reported and retried.
+async fn write_counter(
+    store: PgKvStore,
+    counter: CounterKey,
+    start: u64,
+    every: Duration,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<(), Error> {
+    let epoch = store.fencing_token();
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut n = start;
+    loop {
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return Ok(()),
+            _ = ticks.tick() => {}
+        }
+        let value = json!({ "counter": n, "epoch": epoch }).to_string().into_bytes();
+        match store.write(&counter.primary, &counter.secondary, &counter.key, value).await {
+            Ok(()) => {
+                emit(
+                    json!({ "event": "write", "key": counter.name, "counter": n, "epoch": epoch }),
+                );
+                n += 1;
+            }
+            Err(e) if e.is_retryable() => {
+                let _ = writeln!(
+                    io::stderr(),
+                    "pgfence: counter write failed, retrying: {}",
+                    chain(&e)
+                );
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339(Duration::ZERO), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(Duration::from_millis(951_782_400_250)), "2000-02-29T00:00:00.250Z");
+        assert_eq!(rfc3339(Duration::from_secs(1_796_169_599)), "2026-12-01T23:59:59.000Z");
+    }
+}
