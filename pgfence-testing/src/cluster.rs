@@ -39,6 +39,8 @@ host    all       pgfence_pw_test  127.0.0.1/32   scram-sha-256
 host    all       pgfence_pw_test  ::1/128        scram-sha-256
 host    all       all              127.0.0.1/32   trust
 host    all       all              ::1/128        trust
+local   replication  all                          trust
+host    replication  all           127.0.0.1/32   trust
 ";
 
 /// `pg_hba.conf` of a cluster made by [`TestCluster::start_tls`]: TCP only over TLS, and
@@ -96,7 +98,7 @@ rm -rf "$3"
 /// The methods that run `pg_ctl` block; from async code that is acceptable in tests.
 #[derive(Debug)]
 pub struct TestCluster {
-    cluster: Cluster,
+    pub(crate) cluster: Cluster,
     /// A TLS cluster's certificates, PEM-encoded.
     tls: Option<TlsFiles>,
 }
@@ -112,6 +114,11 @@ struct TlsFiles {
 }
 
 impl TestCluster {
+    /// A cluster without TLS, around one made by the launcher.
+    pub(crate) fn from_cluster(cluster: Cluster) -> TestCluster {
+        TestCluster { cluster, tls: None }
+    }
+
     /// Creates and starts a new private cluster.
     pub fn start() -> io::Result<TestCluster> {
         Ok(TestCluster { cluster: Cluster::launch()?, tls: None })
@@ -173,6 +180,13 @@ impl TestCluster {
     /// server shuts down cleanly, and this returns once it is down.
     pub fn stop(&self) -> io::Result<()> {
         self.cluster.stop("fast", PG_CTL_WAIT)
+    }
+
+    /// Stops the server in immediate mode (`pg_ctl stop -m immediate`), as a crash would: sessions
+    /// are killed, nothing more is written or sent to a replica, and the next start recovers
+    /// from the WAL. Returns once the server is down.
+    pub fn crash(&self) -> io::Result<()> {
+        self.cluster.stop("immediate", PG_CTL_WAIT)
     }
 
     /// Starts the server again after [`TestCluster::stop`], on the same data directory and port,
@@ -277,6 +291,66 @@ struct Watchdog {
 
 impl Cluster {
     pub(crate) fn launch() -> io::Result<Cluster> {
+        let mut cluster = Cluster::prepare()?;
+        cluster.initdb()?;
+        cluster.configure()?;
+        cluster.start_on_free_port()?;
+        cluster.create_password_role()?;
+        Ok(cluster)
+    }
+
+    /// A hot standby streaming from `primary` (see [`crate::ReplicatedCluster`]).
+    ///
+    /// Its data directory is a copy of the primary's, taken while the primary is stopped in
+    /// fast mode. A cleanly stopped data directory is a valid base backup, and copying it needs
+    /// no `pg_basebackup`, which the server-only packages of the version matrix lack. The
+    /// primary is started again on its port whatever the copy's outcome.
+    pub(crate) fn launch_replica(primary: &Cluster) -> io::Result<Cluster> {
+        let mut cluster = Cluster::prepare()?;
+        primary.stop("fast", PG_CTL_WAIT)?;
+        let copied = run(
+            cluster
+                .command(Path::new("cp"))
+                .arg("-a")
+                .arg(&primary.data_dir)
+                .arg(&cluster.data_dir),
+            "cp -a (copy of the primary's data directory)",
+        );
+        primary.start()?;
+        copied?;
+        // Appended after the primary's settings, so this socket directory wins.
+        cluster.configure()?;
+        let conf = cluster.data_dir.join("postgresql.conf");
+        let mut text = fs::read_to_string(&conf)?;
+        text.push_str(&format!(
+            "primary_conninfo = 'host=127.0.0.1 port={} user={SUPERUSER} \
+             application_name=pgfence_replica'\nhot_standby = on\n",
+            primary.port
+        ));
+        fs::write(&conf, text)?;
+        let signal = cluster.data_dir.join("standby.signal");
+        fs::write(&signal, "")?;
+        cluster.give_to_server_user(&signal)?;
+        cluster.start_on_free_port()?;
+        Ok(cluster)
+    }
+
+    /// `pg_ctl promote`, waiting until the server accepts writes.
+    pub(crate) fn promote(&self) -> io::Result<()> {
+        run(
+            self.command(&self.bin("pg_ctl"))
+                .arg("promote")
+                .arg("-D")
+                .arg(&self.data_dir)
+                .args(["-w", "-t"])
+                .arg(PG_CTL_WAIT.as_secs().to_string()),
+            "pg_ctl promote",
+        )
+    }
+
+    /// The directories, the watchdog and the struct of a new cluster, before its data directory
+    /// exists.
+    fn prepare() -> io::Result<Cluster> {
         let bin_dir = find_bin_dir()?;
         let run_as = server_user()?;
         let root = std::env::temp_dir().join(format!(
@@ -307,10 +381,6 @@ impl Cluster {
         // it can outlive this process.
         *cluster.watchdog.get_mut().unwrap_or_else(PoisonError::into_inner) =
             Some(cluster.spawn_watchdog()?);
-        cluster.initdb()?;
-        cluster.configure()?;
-        cluster.start_on_free_port()?;
-        cluster.create_password_role()?;
         Ok(cluster)
     }
 
@@ -539,7 +609,7 @@ impl Cluster {
     }
 
     /// `pg_ctl stop -m <mode>`, waiting at most `wait` for the server to be down.
-    fn stop(&self, mode: &str, wait: Duration) -> io::Result<()> {
+    pub(crate) fn stop(&self, mode: &str, wait: Duration) -> io::Result<()> {
         run(
             self.command(&self.bin("pg_ctl"))
                 .arg("stop")

@@ -12,6 +12,8 @@
 //!   logs [`CERT_ROLE`] in by client certificate alone.
 //! - [`PgBouncer`] is a private PgBouncer in session or transaction mode in front of a test
 //!   server.
+//! - [`ReplicatedCluster`] is a primary with a streaming replica, synchronous or asynchronous,
+//!   for tests that crash the primary and promote the replica.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
@@ -66,11 +68,13 @@ use tokio_postgres::{Client, Config, NoTls};
 mod cluster;
 mod pgbouncer;
 mod proxy;
+mod replica;
 mod server;
 
 pub use cluster::TestCluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use proxy::Proxy;
+pub use replica::{ReplicatedCluster, Replication};
 pub use server::TestServer;
 
 /// The role that must authenticate with a password over TCP.
