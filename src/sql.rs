@@ -123,18 +123,29 @@ pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES 
 /// the new row it computed before the wait, since a lock alone does not change the row. The
 /// expiry is then short by the wait, and already past if the wait was longer than the TTL.
 /// [`RESTART_EXPIRY`] follows in the same transaction.
+///
+/// The new epoch is the old one plus one, but at least `floor`: the server's timeline minus one,
+/// times 2^40. A promoted replica starts a new timeline. Under asynchronous replication it may
+/// have lost the last acquisitions of the old primary, and with them their epochs. Those were
+/// all below the new floor, so no epoch is ever given out twice. On timeline 1 the floor is 0,
+/// and epochs count 1, 2, 3. The timeline is the first 8 hex digits of the current WAL file's
+/// name; any role may call both functions. See docs/deployments.md, section "Replication".
 pub(crate) const ACQUIRE: &str = r#"
-WITH created AS (
+WITH timeline AS (
+    SELECT (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1)
+           << 40 AS floor
+), created AS (
     INSERT INTO {lease}
            (id, owner_id, epoch, expires_at, acquired_at, holder_host, holder_pid, holder_app)
-    VALUES (1, $1, 1, clock_timestamp() + $2::bigint * interval '1 millisecond',
+    VALUES (1, $1, greatest(1, (SELECT floor FROM timeline)),
+            clock_timestamp() + $2::bigint * interval '1 millisecond',
             clock_timestamp(), $3, $4, $5)
     ON CONFLICT (id) DO NOTHING
     RETURNING epoch
 ), taken AS (
     UPDATE {lease}
        SET owner_id    = $1,
-           epoch       = epoch + 1,
+           epoch       = greatest(epoch + 1, (SELECT floor FROM timeline)),
            expires_at  = clock_timestamp() + $2::bigint * interval '1 millisecond',
            acquired_at = clock_timestamp(),
            holder_host = $3,
