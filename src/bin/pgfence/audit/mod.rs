@@ -346,7 +346,11 @@ impl Run {
     fn spawn(&mut self, slot: usize) -> Result<Holder, Exit> {
         self.spawned += 1;
         let name = format!("pgfence-audit {} h{slot}.{}", std::process::id(), self.spawned);
-        let exe = std::env::current_exe().map_err(|e| Exit::other("cannot find pgfence", &e))?;
+        // This very binary, even if it was replaced on disk since the audit started.
+        let exe = match std::path::Path::new("/proc/self/exe") {
+            proc if proc.exists() => proc.to_path_buf(),
+            _ => std::env::current_exe().map_err(|e| Exit::other("cannot find pgfence", &e))?,
+        };
         let mut command = Command::new(exe);
         command
             .arg("--table")
@@ -441,10 +445,7 @@ async fn run(
             _ => None,
         });
     }
-    let admin = target.connect().await.map_err(|e| match e {
-        crate::target::ConnectError::NoDatabase(message) => Exit::missing(message),
-        crate::target::ConnectError::Other(exit) => exit,
-    })?;
+    let admin = connect(&target).await?;
     let (stop_observer, observer_stop) = watch::channel(false);
     let observer = tokio::spawn(observer::observe(
         target.clone(),
@@ -611,7 +612,9 @@ async fn run(
     report.snapshots = observed.snapshots;
     report.observer_errors = observed.errors;
     report.violations.extend(observed.violations);
-    check_rows(&admin, &run.target, &mut report).await?;
+    // A fresh connection: the admin one may have been cut meanwhile.
+    let reader = connect(&run.target).await?;
+    check_rows(&reader, &run.target, &mut report).await?;
     Ok(report)
 }
 
@@ -619,6 +622,13 @@ async fn run(
 /// auditor's own session is never one of them: it has a different name.
 const TERMINATE_BACKENDS: &str = "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) \
      FROM pg_stat_activity WHERE application_name = $1";
+
+async fn connect(target: &Target) -> Result<tokio_postgres::Client, Exit> {
+    target.connect().await.map_err(|e| match e {
+        crate::target::ConnectError::NoDatabase(message) => Exit::missing(message),
+        crate::target::ConnectError::Other(exit) => exit,
+    })
+}
 
 fn signal_pid(pid: u32, signal: rustix::process::Signal) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
