@@ -230,3 +230,22 @@ fn an_interrupted_audit_leaves_nothing_behind() {
     assert!(rest.contains("interrupted"), "{rest}");
     assert_cleaned_up(&table);
 }
+
+/// A panic in the auditor still ends its holders and drops its table.
+#[test]
+fn a_panicking_audit_leaves_nothing_behind() {
+    let args = ["--duration", "5m", "--ttl", "2", "--holders", "2", "--panic-after", "6"];
+    let (code, stdout, stderr) =
+        Auditor::start(&server().url(), &args).finish(Duration::from_secs(90));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stdout.is_empty(), "no report: {stdout}");
+    assert!(stderr.contains("the deliberate panic"), "{stderr}");
+    assert!(stderr.contains("pgfence: the audit failed"), "{stderr}");
+    let table = stderr
+        .split("table ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("a table name in {stderr:?}"))
+        .to_owned();
+    assert_cleaned_up(&table);
+}

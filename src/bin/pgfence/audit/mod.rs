@@ -88,6 +88,10 @@ pub(crate) struct AuditArgs {
     /// on after losing the lease. The audit must then report violations.
     #[arg(long, hide = true)]
     unfenced: bool,
+
+    /// Tests the audit's cleanup: it panics this many seconds in, with its holders running.
+    #[arg(long, value_name = "SECS", hide = true, value_parser = crate::parse_secs)]
+    panic_after: Option<Duration>,
 }
 
 /// A fault the auditor injects into the lease holder.
@@ -455,6 +459,7 @@ async fn run(
     let (sender, mut events) = mpsc::unbounded_channel();
     let ttl = args.ttl;
     let duration = args.duration;
+    let panic_after = args.panic_after;
     let mut run = Run { target, args, env, pids, proxies, events: sender, spawned: 0 };
     let mut procs: HashMap<u32, Holder> = HashMap::new();
     for slot in 0..holders {
@@ -478,6 +483,9 @@ async fn run(
             _ = ticks.tick() => {}
         }
         let now = Instant::now();
+        if panic_after.is_some_and(|after| now >= start + after) {
+            panic!("--panic-after: the deliberate panic of a test");
+        }
         // Resume a paused holder once it is well past its TTL.
         if let Some((pid, until)) = stopped {
             if now >= until || now >= deadline {
