@@ -112,6 +112,14 @@ fn query(sql: &str, table: &str) -> i64 {
     })
 }
 
+fn text(sql: &str, table: &str) -> String {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let client = server().connect().await.expect("connect to the test server");
+        client.query_one(sql, &[&table]).await.expect(sql).get(0)
+    })
+}
+
 /// Nothing of the audit on `table` is left: no table, no holder process, no session.
 fn assert_cleaned_up(table: &str) {
     assert_eq!(
@@ -130,7 +138,10 @@ fn assert_cleaned_up(table: &str) {
     let sql = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%' || $1 || '%' \
                AND pid <> pg_backend_pid()";
     while query(sql, table) > 0 {
-        assert!(Instant::now() < deadline, "sessions of {table} are left");
+        let left = "SELECT coalesce(string_agg(application_name || ' ' || state || ': ' || \
+                    left(query, 80), '; '), '') FROM pg_stat_activity WHERE query LIKE '%' || \
+                    $1 || '%' AND pid <> pg_backend_pid()";
+        assert!(Instant::now() < deadline, "sessions of {table} are left: {}", text(left, table));
         thread::sleep(Duration::from_millis(100));
     }
 }
@@ -197,10 +208,10 @@ fn holders_writing_without_the_fence_fail_the_audit() {
     assert_cleaned_up(report["table"].as_str().unwrap());
 }
 
-#[test]
-fn an_interrupted_audit_leaves_nothing_behind() {
-    let mut auditor =
-        Auditor::start(&server().url(), &["--duration", "5m", "--ttl", "2", "--holders", "2"]);
+/// Starts an audit and returns once its holders write: the auditor, the rest of its stderr
+/// and its table.
+fn audit_writing(args: &[&str]) -> (Auditor, BufReader<std::process::ChildStderr>, String) {
+    let mut auditor = Auditor::start(&server().url(), args);
     // The first line names the table: `pgfence: audit seed N, table T, ...`.
     let mut stderr = BufReader::new(auditor.child.stderr.take().expect("stderr"));
     let mut first = String::new();
@@ -211,14 +222,21 @@ fn an_interrupted_audit_leaves_nothing_behind() {
         .and_then(|rest| rest.split(',').next())
         .unwrap_or_else(|| panic!("a table name in {first:?}"))
         .to_owned();
-    // Interrupted once the holders are writing.
+    // A holder's session, not the auditor's: its setup may still be creating the table.
     let deadline = Instant::now() + Duration::from_secs(60);
     let sql = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%' || $1 || '%' \
-               AND pid <> pg_backend_pid()";
+               AND application_name LIKE 'pgfence-audit %'";
     while query(sql, &table) == 0 {
         assert!(Instant::now() < deadline, "the holders of {table} never wrote");
         thread::sleep(Duration::from_millis(100));
     }
+    (auditor, stderr, table)
+}
+
+#[test]
+fn an_interrupted_audit_leaves_nothing_behind() {
+    let (auditor, mut stderr, table) =
+        audit_writing(&["--duration", "5m", "--ttl", "2", "--holders", "2"]);
     thread::sleep(Duration::from_secs(2));
     let pid = auditor.child.id().to_string();
     let killed = Command::new("kill").args(["-INT", &pid]).status().expect("kill");
@@ -228,6 +246,36 @@ fn an_interrupted_audit_leaves_nothing_behind() {
     let (code, _, _) = auditor.finish(Duration::from_secs(60));
     assert_eq!(code, Some(1), "{rest}");
     assert!(rest.contains("interrupted"), "{rest}");
+    assert_cleaned_up(&table);
+}
+
+/// An auditor killed outright cleans nothing up. Its holders still stop: their stdin closes.
+#[test]
+fn a_killed_auditor_leaves_no_writer_behind() {
+    let (mut auditor, _stderr, table) =
+        audit_writing(&["--duration", "5m", "--ttl", "2", "--holders", "2"]);
+    auditor.child.kill().expect("SIGKILL the auditor");
+    let _ = auditor.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let holders = || {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|entry| std::fs::read(entry.ok()?.path().join("cmdline")).ok())
+            .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(&table))
+            .count()
+    };
+    while holders() > 0 {
+        assert!(Instant::now() < deadline, "holders of {table} outlived their auditor");
+        thread::sleep(Duration::from_millis(100));
+    }
+    // What the auditor would have dropped: the test's to drop.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let client = server().connect().await.expect("connect to the test server");
+        let drop = format!("DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\"");
+        client.batch_execute(&drop).await.expect("the audit's tables were left");
+    });
+    drop(runtime); // Closes the connection that dropped them.
     assert_cleaned_up(&table);
 }
 
