@@ -202,7 +202,10 @@ pub(crate) async fn audit(
     // takes is the audit's own, before any holder's.
     let setup = builder.table(&table).lease_ttl(args.ttl).open().await?;
     let setup_epoch = setup.fencing_token();
-    setup.close().await?;
+    if let Err(e) = setup.close().await {
+        let dropped = drop_tables(&target).await;
+        return Err(with_cleanup(e.into(), &table, dropped));
+    }
 
     let pids = Pids::default();
     let mut body =
@@ -258,11 +261,16 @@ fn audit_table(user_table: &str, seed: u64) -> String {
 }
 
 /// Kills (SIGKILL also ends a stopped process) and reaps every holder still there. tokio has
-/// usually reaped them already; then `kill` and `waitpid` find nothing, which is fine.
+/// usually reaped them already; then `waitpid` finds nothing, which is fine.
 fn reap(pids: &Pids) {
     use rustix::process::{Pid, Signal, WaitOptions, kill_process, waitpid};
     let pids = std::mem::take(&mut *pids.lock().unwrap_or_else(|e| e.into_inner()));
     for pid in pids.into_iter().filter_map(|pid| Pid::from_raw(pid as i32)) {
+        // A holder reaped already may have left its pid to an unrelated process: only a
+        // process that is still our child is signalled.
+        if !is_our_child(pid.as_raw_nonzero().get()) {
+            continue;
+        }
         let _ = kill_process(pid, Signal::KILL);
         for _ in 0..100 {
             match waitpid(Some(pid), WaitOptions::NOHANG) {
@@ -271,6 +279,19 @@ fn reap(pids: &Pids) {
             }
         }
     }
+}
+
+/// Whether `pid` is a child of this process, from `/proc/<pid>/stat` (its 4th field is the
+/// parent's pid; the 2nd, the command, is in parentheses and may hold spaces).
+fn is_our_child(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let parent = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
+    parent.and_then(|p| p.parse::<u32>().ok()) == Some(std::process::id())
+}
+
+/// Forgets a holder that tokio has reaped: its pid may be reused from now on.
+fn forget(pids: &Pids, pid: u32) {
+    pids.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| *p != pid);
 }
 
 async fn drop_tables(target: &Target) -> Result<(), String> {
@@ -500,6 +521,7 @@ async fn run(
             .collect();
         for pid in exited {
             let Some(mut gone) = procs.remove(&pid) else { continue };
+            forget(&run.pids, pid);
             let status = gone.child.try_wait().ok().flatten();
             gone.holding = false;
             if !gone.targeted && gone.epoch.is_none() {
@@ -606,7 +628,13 @@ async fn run(
                 let _ = holder.child.start_kill();
             }
         }
-        procs.retain(|_, h| !matches!(h.child.try_wait(), Ok(Some(_))));
+        procs.retain(|pid, h| {
+            let exited = matches!(h.child.try_wait(), Ok(Some(_)));
+            if exited {
+                forget(&run.pids, *pid);
+            }
+            !exited
+        });
     }
     // Every reader ends at its holder's end of stdout; then the channel closes.
     drop(run.events);
