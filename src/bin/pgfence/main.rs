@@ -96,7 +96,7 @@ struct Cli {
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
     table: String,
 
-    /// Write commands (put, rm, import, hold): create the database if it does not exist.
+    /// Write commands (put, rm, import, hold, audit): create the database if it does not exist.
     #[arg(long, global = true)]
     create_database: bool,
 
