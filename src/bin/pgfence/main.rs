@@ -7,6 +7,7 @@
 //! exit code; nothing panics.
 #![forbid(unsafe_code)]
 
+mod audit;
 mod commands;
 mod doctor;
 mod exit;
@@ -42,6 +43,7 @@ Exit codes:
   4  key not found (get)
   5  lease lost (hold: taken over, force-released, or renewal failed)
   6  no such database or table (nothing was created: check --database-url and --table)
+  7  audit: a violation of the guarantees was found
 
 The connection: --database-url, else $DATABASE_URL, with libpq's environment filling what it
 leaves out (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGPASSFILE or ~/.pgpass, PGAPPNAME,
@@ -94,7 +96,7 @@ struct Cli {
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
     table: String,
 
-    /// Write commands (put, rm, import, hold): create the database if it does not exist.
+    /// Write commands (put, rm, import, hold, audit): create the database if it does not exist.
     #[arg(long, global = true)]
     create_database: bool,
 
@@ -175,6 +177,13 @@ enum Command {
         #[arg(long = "in", value_name = "FILE")]
         input: Option<PathBuf>,
     },
+    /// Checks that fencing holds on this deployment: holder processes of its own write to a
+    /// table of its own while it injects faults, then the data is checked. Exit 7 on a
+    /// violation. See docs/cli.md.
+    Audit(audit::AuditArgs),
+    /// One holder process of `audit` (internal).
+    #[command(hide = true)]
+    AuditHolder(audit::HolderArgs),
 }
 
 #[derive(Debug, Args)]
@@ -370,13 +379,20 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         | Command::Release { .. } => target.require_table().await?,
         // It reports what is missing as a failed check.
         Command::Doctor => {}
-        Command::Put { .. } | Command::Rm(_) | Command::Import { .. } | Command::Hold(_) => {
+        // A holder rides out connection errors, as `hold --wait` does.
+        Command::AuditHolder(_) => target.require_database(false, true).await?,
+        Command::Put { .. }
+        | Command::Rm(_)
+        | Command::Import { .. }
+        | Command::Hold(_)
+        | Command::Audit(_) => {
             target
                 .require_database(cli.create_database, matches!(cli.command, Command::Hold(_)))
                 .await?
         }
     }
     let json = cli.json;
+    let holder_env = audit_env(&cli);
     match cli.command {
         Command::Status => status(builder, json).await,
         Command::Get(k) => {
@@ -452,7 +468,29 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Export { out } => export(builder, out).await,
         Command::Doctor => doctor::doctor(builder, &target, json).await,
         Command::Import { input } => import(builder, input, json).await,
+        Command::Audit(args) => audit::audit(builder, target, args, holder_env, json).await,
+        Command::AuditHolder(args) => audit::holder(target, args).await,
     }
+}
+
+/// The connection options of this command, as the environment of `audit`'s holders: the URL
+/// stays out of their command lines, where `ps` would show its password.
+fn audit_env(cli: &Cli) -> audit::ChildEnv {
+    let mut env = Vec::new();
+    if let Some(url) = &cli.database_url {
+        env.push(("DATABASE_URL", OsString::from(url)));
+    }
+    let files = [
+        ("PGFENCE_TLS_ROOT_CERT", &cli.tls_root_cert),
+        ("PGFENCE_TLS_CERT", &cli.tls_cert),
+        ("PGFENCE_TLS_KEY", &cli.tls_key),
+    ];
+    for (name, file) in files {
+        if let Some(file) = file {
+            env.push((name, file.clone().into_os_string()));
+        }
+    }
+    env
 }
 
 /// Refuses bad arguments that clap cannot check (keys, confirmations) with exit 2, before
