@@ -29,3 +29,4 @@ mod lease;
 mod pgbouncer;
 mod release;
 mod tls;
+mod watchdog;
