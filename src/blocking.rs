@@ -277,7 +277,15 @@ impl PgKvStore {
 /// The state of a store's lease, watched without holding the store (see
 /// [`PgKvStore::lease_watch`]). Cheap to clone; `Send`, for a watchdog thread.
 #[derive(Debug, Clone)]
-pub struct LeaseWatch(watch::Receiver<LeaseState>);
+pub struct LeaseWatch(pub(crate) watch::Receiver<LeaseState>);
+
+/// Watches an async store's lease: `LeaseWatch::from(store.lease_state())`, for a watchdog
+/// thread (the `Watchdog` of the `shutdown` module waits on one).
+impl From<watch::Receiver<LeaseState>> for LeaseWatch {
+    fn from(receiver: watch::Receiver<LeaseState>) -> LeaseWatch {
+        LeaseWatch(receiver)
+    }
+}
 
 impl LeaseWatch {
     /// The state now.
@@ -316,7 +324,7 @@ impl LeaseWatch {
 }
 
 /// Wakes a thread parked in [`LeaseWatch::wait_while_held`].
-struct Unpark(thread::Thread);
+pub(crate) struct Unpark(pub(crate) thread::Thread);
 
 impl Wake for Unpark {
     fn wake(self: Arc<Self>) {

@@ -37,6 +37,7 @@ mod entry;
 pub mod blocking;
 #[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
 pub mod ldk;
+pub mod shutdown;
 
 pub use config::{Builder, LeaseLossPolicy};
 pub use connect::{tls_client_config, tls_client_config_with_cert};

@@ -1523,3 +1523,123 @@ fn a_permission_error_names_the_grant() {
     query(&server().config(), &grant);
     run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put once granted");
 }
+
+/// `import --from-ldk-fs`: an LDK FilesystemStore, v1 or v2 layout, moved into a table.
+#[cfg(feature = "ldk-import")]
+mod ldk_import {
+    use std::collections::BTreeMap;
+    use std::path::PathBuf;
+
+    use lightning::util::persist::{KVStoreSync, MigratableKVStoreSync};
+    use lightning_persister::fs_store::v1::FilesystemStore;
+    use lightning_persister::fs_store::v2::FilesystemStoreV2;
+    use pgfence::PgKvStore;
+    use pgfence::ldk::LdkStore;
+
+    use super::{run, server, unique_name};
+
+    type Contents = BTreeMap<(String, String, String), Vec<u8>>;
+
+    /// A directory removed when the test ends.
+    struct TempDir(PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn contents<S: MigratableKVStoreSync>(store: &S) -> Contents {
+        let keys = store.list_all_keys().expect("list_all_keys");
+        let read = |(p, s, k): (String, String, String)| {
+            let value = store.read(&p, &s, &k).expect("read");
+            ((p, s, k), value)
+        };
+        keys.into_iter().map(read).collect()
+    }
+
+    /// Keys in every namespace shape LDK uses, with the names LDK gives them, and values of
+    /// every byte (one empty).
+    fn fill<S: KVStoreSync>(store: &S) {
+        let monitor = "0101010101010101010101010101010101010101010101010101010101010101_0";
+        let rows: [(&str, &str, &str, Vec<u8>); 6] = [
+            ("", "", "manager", (0..=255).collect()),
+            ("", "", "network_graph", vec![7; 70_000]),
+            ("monitors", "", monitor, vec![1, 2, 3]),
+            ("monitor_updates", monitor, "1", vec![]),
+            ("bdk_wallet", "", "descriptor", b"wpkh(...)".to_vec()),
+            ("payments", "", "abcdef", vec![0; 3]),
+        ];
+        for (p, s, k, v) in rows {
+            store.write(p, s, k, v).expect("write to the filesystem store");
+        }
+    }
+
+    fn table_contents(table: &str) -> Contents {
+        let builder = PgKvStore::builder_from_config(server().config()).table(table);
+        let store = LdkStore::open(builder).expect("open the imported table");
+        let found = contents(&store);
+        store.close().expect("close");
+        found
+    }
+
+    /// Both layouts: every key and value arrives; a table with keys is refused (exit 2,
+    /// nothing written) unless `--force`.
+    #[test]
+    fn filesystem_store_v1_and_v2_move_into_a_table() {
+        let url = server().url();
+        for layout in ["v1", "v2"] {
+            let dir = TempDir(std::env::temp_dir().join(unique_name("cli_ldkfs")));
+            let source = match layout {
+                "v1" => {
+                    let store = FilesystemStore::new(dir.0.clone());
+                    fill(&store);
+                    contents(&store)
+                }
+                _ => {
+                    let store = FilesystemStoreV2::new(dir.0.clone()).expect("v2 store");
+                    fill(&store);
+                    contents(&store)
+                }
+            };
+            assert_eq!(source.len(), 6, "{layout}");
+            let table = unique_name("cli_ldkfs");
+            let path = dir.0.to_str().unwrap();
+            let ran = run(&url, &table, &["import", "--from-ldk-fs", path], None);
+            let expected = format!(
+                "imported 6 keys from an LDK FilesystemStore ({layout} layout), all verified\n"
+            );
+            assert_eq!(ran.expect(0, layout).stdout(), expected);
+            assert_eq!(table_contents(&table), source, "{layout}: every key and value");
+
+            // A second import into the now non-empty table is refused and changes nothing.
+            let other = unique_name("cli_ldkfs_other");
+            run(&url, &other, &["put", "a", "", "k", "v"], None).expect(0, "put");
+            let before = table_contents(&other);
+            let refused = run(&url, &other, &["import", "--from-ldk-fs", path], None);
+            refused.expect(2, "non-empty table");
+            assert!(refused.stderr.contains("--force"), "{refused:?}");
+            assert_eq!(table_contents(&other), before, "{layout}: refused import wrote nothing");
+
+            let forced =
+                run(&url, &other, &["import", "--json", "--from-ldk-fs", path, "--force"], None);
+            let json: serde_json::Value =
+                serde_json::from_str(forced.expect(0, "--force").stdout().trim()).unwrap();
+            assert_eq!(json["imported"], 6);
+            assert_eq!(json["layout"], layout);
+            let mut merged = source.clone();
+            merged.extend(before);
+            assert_eq!(table_contents(&other), merged, "{layout}: forced import keeps others");
+        }
+    }
+
+    /// A missing directory is a usage error; `--force` needs `--from-ldk-fs`.
+    #[test]
+    fn from_ldk_fs_argument_errors() {
+        let (url, table) = (server().url(), unique_name("cli_ldkfs_args"));
+        let missing = std::env::temp_dir().join(unique_name("cli_nonexistent"));
+        run(&url, &table, &["import", "--from-ldk-fs", missing.to_str().unwrap()], None)
+            .expect(2, "missing directory");
+        run(&url, &table, &["import", "--force"], None).expect(2, "--force alone");
+    }
+}

@@ -47,9 +47,10 @@
 //! LDK keeps running after a failed persist unless the application stops it. A lost lease
 //! means another node instance now owns the channel state: this one must stop at once. Watch
 //! [`LdkStore::lease_state`] (or wait on [`LdkStore::lease_watch`] in a thread) and shut the
-//! node down when it leaves `Held`. Or open the store with [`crate::LeaseLossPolicy::Abort`],
+//! node down when it leaves `Held`; [`crate::shutdown::Watchdog`] does that in a thread, within
+//! a bound. Or open the store with [`crate::LeaseLossPolicy::Abort`],
 //! or with `Panic` in a binary built with `panic = "abort"`.
-//! See `examples/ldk.rs` and the README's LDK section.
+//! See `examples/ldk.rs`, `examples/ldk-node/` (ldk-node 0.7) and docs/ldk.md.
 
 use std::future::Future;
 use std::time::Duration;

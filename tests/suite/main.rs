@@ -30,3 +30,4 @@ mod pgbouncer;
 mod release;
 mod replication;
 mod tls;
+mod watchdog;

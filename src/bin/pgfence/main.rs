@@ -12,6 +12,8 @@ mod commands;
 mod doctor;
 mod exit;
 mod hold;
+#[cfg(feature = "ldk-import")]
+mod ldk_import;
 mod logging;
 mod output;
 mod target;
@@ -176,6 +178,15 @@ enum Command {
         /// Read from FILE instead of stdin.
         #[arg(long = "in", value_name = "FILE")]
         input: Option<PathBuf>,
+        /// Instead of an export: copy a stopped LDK node's FilesystemStore (v1 or v2 layout)
+        /// in DIR with LDK's migrate_kv_store_data, then verify every key and value. Needs
+        /// the ldk-import feature. Refuses a table that holds keys, unless --force.
+        #[arg(long, value_name = "DIR", conflicts_with = "input")]
+        from_ldk_fs: Option<PathBuf>,
+        /// With --from-ldk-fs: import into a table that already holds keys (same keys are
+        /// overwritten, others kept).
+        #[arg(long, requires = "from_ldk_fs")]
+        force: bool,
     },
     /// Checks that fencing holds on this deployment: holder processes of its own write to a
     /// table of its own while it injects faults, then the data is checked. Exit 7 on a
@@ -467,7 +478,10 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
         Command::Doctor => doctor::doctor(builder, &target, json).await,
-        Command::Import { input } => import(builder, input, json).await,
+        Command::Import { from_ldk_fs: Some(dir), force, .. } => {
+            import_ldk_fs(builder, dir, force, json).await
+        }
+        Command::Import { input, .. } => import(builder, input, json).await,
         Command::Audit(args) => audit::audit(builder, target, args, holder_env, json).await,
         Command::AuditHolder(args) => audit::holder(target, args).await,
     }
@@ -493,6 +507,20 @@ fn audit_env(cli: &Cli) -> audit::ChildEnv {
     env
 }
 
+#[cfg(feature = "ldk-import")]
+use crate::ldk_import::import_ldk_fs;
+
+/// Without the `ldk-import` feature, `check_input` refuses `--from-ldk-fs` before this.
+#[cfg(not(feature = "ldk-import"))]
+async fn import_ldk_fs(_: pgfence::Builder, _: PathBuf, _: bool, _: bool) -> Result<(), Exit> {
+    Err(no_ldk_import())
+}
+
+#[cfg(not(feature = "ldk-import"))]
+fn no_ldk_import() -> Exit {
+    Exit::usage("--from-ldk-fs: this pgfence was built without the ldk-import feature")
+}
+
 /// Refuses bad arguments that clap cannot check (keys, confirmations) with exit 2, before
 /// anything connects.
 fn check_input(command: &Command) -> Result<(), Exit> {
@@ -512,6 +540,8 @@ fn check_input(command: &Command) -> Result<(), Exit> {
         Command::Hold(args) => {
             args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
         }
+        #[cfg(not(feature = "ldk-import"))]
+        Command::Import { from_ldk_fs: Some(_), .. } => return Err(no_ldk_import()),
         _ => {}
     }
     Ok(())
