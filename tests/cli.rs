@@ -1417,6 +1417,46 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
 }
 
+/// `pgfence doctor` tells a direct connection from one through a pooler, and fails a pooler in
+/// transaction mode with what to change. The pooler is a real PgBouncer before the test server.
+#[test]
+fn doctor_detects_a_pooler_and_its_mode() {
+    use pgfence_testing::{PgBouncer, PoolMode};
+    let table = unique_name("cli_doctor_pooler");
+    let pooler = |url: &str, code: i32| -> (String, String) {
+        let ran = run(url, &table, &["doctor", "--json"], None);
+        let report: Value = serde_json::from_slice(&ran.expect(code, "doctor --json").stdout)
+            .expect("one JSON object");
+        let checks = report["checks"].as_array().expect("checks");
+        let c =
+            checks.iter().find(|c| c["check"] == "pooler").unwrap_or_else(|| panic!("{report}"));
+        (c["status"].as_str().unwrap().to_owned(), c["detail"].as_str().unwrap().to_owned())
+    };
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let direct = pooler(&url_for_database(&dbname), 0);
+    assert!(direct.0 == "pass" && direct.1.starts_with("none seen"), "{direct:?}");
+
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    for (mode, code) in [(PoolMode::Session, 0), (PoolMode::Transaction, 1)] {
+        let bouncer = PgBouncer::start(addr, mode).expect("start pgbouncer");
+        let url =
+            format!("host=127.0.0.1 port={} user=postgres dbname={dbname}", bouncer.addr().port());
+        let (status, detail) = pooler(&url, code);
+        match mode {
+            PoolMode::Session => assert!(
+                status == "pass"
+                    && detail.contains("sits between")
+                    && detail.contains(&addr.port().to_string()),
+                "session mode: {status} {detail}"
+            ),
+            _ => assert!(
+                status == "fail" && detail.contains("pool_mode = session"),
+                "transaction mode: {status} {detail}"
+            ),
+        }
+    }
+}
+
 /// How the server names a connection's missing encryption when pg_hba.conf refuses it:
 /// "no encryption" since PostgreSQL 14, "SSL off" before.
 fn unencrypted_wording(cluster: &TestCluster) -> &'static str {
