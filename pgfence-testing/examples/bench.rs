@@ -334,15 +334,15 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
     }
     let store = builder.open().await?;
     let baseline =
-        Baseline::new(&store, &table, support::pool(target.config.clone(), max_writers), ttl);
+        Baseline::new(&store, table, support::pool(target.config.clone(), max_writers), ttl);
     // The renewal probe gets a pool (one connection) of its own, like the store's renewal task.
-    let probe = Baseline::new(&store, &table, support::pool(target.config.clone(), 1), ttl);
+    let probe = Baseline::new(&store, table, support::pool(target.config.clone(), 1), ttl);
     // A second probe commits its renewals without waiting for the WAL flush, set as a startup
     // option of its own connection: how much of the renewal's latency is the flush queue.
     let mut async_config = target.config.clone();
     let options = async_config.get_options().unwrap_or("").to_owned();
     async_config.options(format!("{options} -c synchronous_commit=off").trim());
-    let probe_async = Baseline::new(&store, &table, support::pool(async_config, 1), ttl);
+    let probe_async = Baseline::new(&store, table, support::pool(async_config, 1), ttl);
     let (admin, admin_conn) = target.config.connect(tokio_postgres::NoTls).await?;
     let admin_task = tokio::spawn(admin_conn);
     let server_version: String = admin.query_one("SELECT version()", &[]).await?.get(0);
