@@ -8,8 +8,24 @@ use std::time::Duration;
 use pgfence::{Error, PgKvStore};
 use pgfence_testing::{TestServer, unique_name};
 
+type BoxError = Box<dyn std::error::Error>;
+
+const USAGE: &str =
+    "usage: demo (no arguments; DATABASE_URL when set, else a temporary PostgreSQL)";
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), BoxError> {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        Some(other) => {
+            eprintln!("unknown argument {other:?}\n{USAGE}");
+            std::process::exit(2);
+        }
+    }
     let server = TestServer::shared()?;
     if server.is_private() {
         println!("Started a temporary PostgreSQL on port {} (stopped on exit).", server.port());
@@ -17,9 +33,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("Using DATABASE_URL.");
     }
     let table = unique_name("demo");
+    let demo = demo(server, &table).await;
+    // Dropped however the demo ended: on the server of DATABASE_URL they would stay for good.
+    let dropped = match server.connect().await {
+        Ok(admin) => admin.batch_execute(&drop_tables(&table)).await.map_err(BoxError::from),
+        Err(e) => Err(e.into()),
+    };
+    demo.and(dropped)
+}
+
+/// Drops the demo's three tables (the store's KV, lease and schema version tables).
+fn drop_tables(table: &str) -> String {
+    format!("DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\"")
+}
+
+async fn demo(server: &TestServer, table: &str) -> Result<(), BoxError> {
     let open = |name: &'static str| {
         PgKvStore::builder_from_config(server.config())
-            .table(&table)
+            .table(table)
             .application_name(name)
             .lease_ttl(Duration::from_secs(30))
             .renew_interval(Duration::from_secs(10))

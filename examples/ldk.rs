@@ -45,13 +45,41 @@ use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+const USAGE: &str = "usage: ldk (no arguments; DATABASE_URL when set, else a temporary PostgreSQL)";
+
 #[tokio::main]
 async fn main() -> Result<(), Error> {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        Some(other) => {
+            eprintln!("unknown argument {other:?}\n{USAGE}");
+            std::process::exit(2);
+        }
+    }
     let server = TestServer::shared()?;
     let table = unique_name("ldk_node");
+    let node = node(server, &table).await;
+    // Dropped however the example ended: on the server of DATABASE_URL they would stay for good.
+    let dropped = match server.connect().await {
+        Ok(admin) => {
+            let sql = format!(
+                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
+            );
+            admin.batch_execute(&sql).await.map_err(Error::from)
+        }
+        Err(e) => Err(e.into()),
+    };
+    node.and(dropped)
+}
+
+async fn node(server: &TestServer, table: &str) -> Result<(), Error> {
     let builder = |instance: &str| {
         PgKvStore::builder_from_config(server.config())
-            .table(&table)
+            .table(table)
             .application_name(instance)
             // Renewal every 2 s, trusted locally for 6 s, valid in the database for 10 s: a
             // stalled or partitioned node stops writing 4 s before a standby can take over.

@@ -4,11 +4,13 @@
 use tokio_postgres::error::SqlState;
 
 use crate::config::Builder;
+use crate::connect::Tls;
 use crate::error::{Error, Result};
 use crate::exec::value_or_not_found;
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::schema::{self, LeaseInfo};
 use crate::sql::Statements;
+use crate::store::open::check_own_session;
 
 /// Read-only access to a table without its lease: the lease row, reads and listings, and the
 /// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
@@ -18,6 +20,9 @@ pub struct Inspector {
     pool: deadpool_postgres::Pool,
     table: TableName,
     statements: Statements,
+    /// For [`Inspector::check_session`]'s own connection when the pool has none to spare.
+    config: Option<tokio_postgres::Config>,
+    tls: Tls,
 }
 
 impl Inspector {
@@ -25,7 +30,13 @@ impl Inspector {
     pub(crate) fn new(builder: &Builder) -> Result<Inspector> {
         let table = builder.validate()?;
         let pool = builder.pool()?;
-        Ok(Inspector { pool, statements: Statements::new(&table), table })
+        Ok(Inspector {
+            pool,
+            statements: Statements::new(&table),
+            table,
+            config: builder.connection_config(),
+            tls: builder.tls.clone(),
+        })
     }
 
     async fn query(
@@ -91,6 +102,18 @@ impl Inspector {
             .iter()
             .map(|row| (row.get(0), row.get(1), row.get(2)))
             .collect())
+    }
+
+    /// Checks that a connection keeps one server session of its own, as a store needs. This
+    /// is the check [`Builder::open`] makes first; it changes nothing on the server.
+    ///
+    /// It fails with [`Error::PoolerModeUnsupported`] when it sees a pooler that hands server
+    /// sessions out per transaction (PgBouncer's transaction or statement mode). Passing is
+    /// no proof: a busy pooler may hide that mode. A session pooler passes.
+    pub async fn check_session(&self) -> Result<()> {
+        let client =
+            self.pool.get().await.map_err(Error::pool("check for a transaction pooler"))?;
+        check_own_session(&self.pool, self.config.as_ref(), &self.tls, &client).await
     }
 
     /// Break-glass: expires the lease whoever holds it, so another store can take it at once.

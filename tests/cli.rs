@@ -1417,6 +1417,46 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert!(find(&nodb, "connection").1.contains("does not exist"), "{nodb}");
 }
 
+/// `pgfence doctor` tells a direct connection from one through a pooler, and fails a pooler in
+/// transaction mode with what to change. The pooler is a real PgBouncer before the test server.
+#[test]
+fn doctor_detects_a_pooler_and_its_mode() {
+    use pgfence_testing::{PgBouncer, PoolMode};
+    let table = unique_name("cli_doctor_pooler");
+    let pooler = |url: &str, code: i32| -> (String, String) {
+        let ran = run(url, &table, &["doctor", "--json"], None);
+        let report: Value = serde_json::from_slice(&ran.expect(code, "doctor --json").stdout)
+            .expect("one JSON object");
+        let checks = report["checks"].as_array().expect("checks");
+        let c =
+            checks.iter().find(|c| c["check"] == "pooler").unwrap_or_else(|| panic!("{report}"));
+        (c["status"].as_str().unwrap().to_owned(), c["detail"].as_str().unwrap().to_owned())
+    };
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let direct = pooler(&url_for_database(&dbname), 0);
+    assert!(direct.0 == "pass" && direct.1.starts_with("none seen"), "{direct:?}");
+
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    for (mode, code) in [(PoolMode::Session, 0), (PoolMode::Transaction, 1)] {
+        let bouncer = PgBouncer::start(addr, mode).expect("start pgbouncer");
+        let url =
+            format!("host=127.0.0.1 port={} user=postgres dbname={dbname}", bouncer.addr().port());
+        let (status, detail) = pooler(&url, code);
+        match mode {
+            PoolMode::Session => assert!(
+                status == "pass"
+                    && detail.contains("sits between")
+                    && detail.contains(&addr.port().to_string()),
+                "session mode: {status} {detail}"
+            ),
+            _ => assert!(
+                status == "fail" && detail.contains("pool_mode = session"),
+                "transaction mode: {status} {detail}"
+            ),
+        }
+    }
+}
+
 /// How the server names a connection's missing encryption when pg_hba.conf refuses it:
 /// "no encryption" since PostgreSQL 14, "SSL off" before.
 fn unencrypted_wording(cluster: &TestCluster) -> &'static str {
@@ -1642,4 +1682,92 @@ mod ldk_import {
             .expect(2, "missing directory");
         run(&url, &table, &["import", "--force"], None).expect(2, "--force alone");
     }
+
+// ---------------------------------------------------------------------------------------------
+// Examples
+// ---------------------------------------------------------------------------------------------
+
+/// The debug examples of the workspace, built once by cargo (a no-op when they are fresh):
+/// `cargo test --test cli` builds only this test and the binary. Their directory.
+fn examples() -> &'static std::path::Path {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let status = Command::new(cargo)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--workspace", "--all-features", "--examples", "--quiet"])
+            .status()
+            .expect("run cargo build --examples");
+        assert!(status.success(), "cargo build --examples: {status}");
+        // This test runs from target/debug/deps; the examples are in target/debug/examples.
+        let exe = std::env::current_exe().expect("the test's path");
+        exe.parent().and_then(|deps| deps.parent()).expect("target/debug").join("examples")
+    })
+}
+
+/// Runs example `name` with `args`, with `DATABASE_URL` set to the test server's (killed
+/// after [`GUARD`]).
+fn run_example(name: &str, args: &[&str]) -> Ran {
+    let mut command = Command::new(examples().join(name));
+    for variable in LIBPQ_VARIABLES {
+        command.env_remove(variable);
+    }
+    let mut child = command
+        .args(args)
+        .env("DATABASE_URL", server().url())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn example {name}: {e}"));
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let stdout = thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = out.read_to_end(&mut buf);
+        buf
+    });
+    let mut guard = Guard { name: name.to_owned(), child, readers: Vec::new() };
+    let mut stderr = String::new();
+    let _ = err.read_to_string(&mut stderr);
+    let status = guard.wait_exit(GUARD).unwrap_or_else(|| panic!("example {name} hung"));
+    Ran { code: status.code(), stdout: stdout.join().unwrap(), stderr }
+}
+
+/// Tables of the test server whose name is `prefix` and a `unique_name` suffix.
+fn tables_named(prefix: &str) -> Vec<String> {
+    let sql = format!(
+        "SELECT relname::text FROM pg_class WHERE relkind = 'r' \
+         AND relname ~ '^{prefix}_[0-9a-f]{{16}}(_lease|_schema_version)?$'"
+    );
+    query(&server().config(), &sql).iter().map(|row| row.get(0)).collect()
+}
+
+/// Finding 9: every example answers `--help` with usage on stdout and exit 0 (batch_shapes
+/// exited 1, demo and ldk ran). On a given server (`DATABASE_URL`), `demo` and `bench` use it
+/// and leave no tables behind; a debug build of `bench` warns that its figures need
+/// `--release`.
+#[test]
+fn examples_answer_help_and_leave_no_tables_on_a_given_server() {
+    for name in ["demo", "ldk", "batch_shapes", "bench"] {
+        let help = run_example(name, &["--help"]);
+        assert_eq!(help.code, Some(0), "{name} --help: {help:?}");
+        assert!(help.stdout().starts_with("usage: "), "{name} --help: {help:?}");
+    }
+    let bad = run_example("batch_shapes", &["many"]);
+    assert!(bad.code == Some(2) && bad.stderr.starts_with("usage: "), "{bad:?}");
+
+    let before = tables_named("demo");
+    let demo = run_example("demo", &[]);
+    assert_eq!(demo.code, Some(0), "demo: {demo:?}");
+    assert!(demo.stdout().starts_with("Using DATABASE_URL."), "{demo:?}");
+    assert_eq!(tables_named("demo"), before, "demo left its tables");
+
+    let before = tables_named("bench");
+    let args = ["--concurrency", "1", "--duration-secs", "0.2", "--rounds", "1"];
+    let bench = run_example("bench", &[&args[..], &["--keys-per-writer", "2"]].concat());
+    assert_eq!(bench.code, Some(0), "bench: {bench:?}");
+    assert!(!bench.stderr.contains("private PostgreSQL"), "bench used DATABASE_URL: {bench:?}");
+    assert!(bench.stderr.starts_with("warning: a debug build"), "{bench:?}");
+    assert!(bench.stdout().contains("--release"), "the table says so too: {bench:?}");
+    assert_eq!(tables_named("bench"), before, "bench left its tables");
 }

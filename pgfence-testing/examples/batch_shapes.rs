@@ -63,11 +63,23 @@ const SHAPES: [(&str, &str); 4] = [
     ),
 ];
 
+const USAGE: &str =
+    "usage: batch_shapes [ROUNDS] (default 300; DATABASE_URL or a temporary cluster)";
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
-    let rounds: usize = match std::env::args().nth(1) {
-        Some(n) => n.parse().map_err(|_| "usage: batch_shapes [ROUNDS]")?,
-        None => 300,
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rounds: usize = match args.as_slice() {
+        [] => 300,
+        [flag] if flag == "-h" || flag == "--help" => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        [n] if n.parse::<usize>().is_ok_and(|n| n > 0) => n.parse()?,
+        _ => {
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
     };
     let server = TestServer::shared()?;
     let table = unique_name("shapes");

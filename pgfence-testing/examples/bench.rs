@@ -8,8 +8,9 @@
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
 //! ```
 //!
-//! Without `--database-url` it starts a private temporary PostgreSQL cluster (from the server
-//! binaries on the machine, see `pgfence_testing`) and stops it at the end. `--delay-us N`
+//! Without `--database-url` (or `DATABASE_URL`) it starts a private temporary PostgreSQL cluster
+//! (from the server binaries on the machine, see `pgfence_testing`) and stops it at the end. On
+//! a given server it drops its `bench_*` tables at the end, also after a failure. `--delay-us N`
 //! routes every connection through a loopback TCP proxy that delays each direction by N µs
 //! (`--delay-us 370` gave a 1.14-1.26 ms round trip here); `--unix` connects to the private cluster over its
 //! Unix socket instead of TCP.
@@ -52,6 +53,10 @@ const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
 [--variants unfenced,fenced,solo,naive] [--renew-probe-ms 50] [--sample-waits] \
 [--keys-per-writer 64] [--write-concurrency N]";
+
+/// Printed first by a debug build: its client-side overhead is many times a release build's.
+const DEBUG_WARNING: &str = "warning: a debug build; its latencies and ratios are not the \
+library's: run with --release for figures";
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -165,9 +170,13 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
+    if args.database_url.is_none() {
+        // libpq's tools read it too; an empty value counts as unset.
+        args.database_url = std::env::var("DATABASE_URL").ok().filter(|url| !url.is_empty());
+    }
     if args.unix && (args.database_url.is_some() || args.delay_us > 0) {
         return Err("--unix is for the private cluster without --delay-us (for your own server, \
-                    give a socket directory as the host in --database-url)"
+                    give a socket directory as the host in --database-url or DATABASE_URL)"
             .into());
     }
     Ok(args)
@@ -185,6 +194,9 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if cfg!(debug_assertions) {
+        eprintln!("{DEBUG_WARNING}");
+    }
     if let Err(e) = run(args) {
         eprintln!("bench failed: {e}");
         std::process::exit(1);
@@ -293,25 +305,44 @@ fn run(args: Args) -> Result<(), BoxError> {
 }
 
 async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
-    let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let table = unique_name("bench");
+    let measured = measure(args, target, &table).await;
+    // Dropped whatever happened: on a given server they would stay for good.
+    let dropped = async {
+        let (admin, connection) = target.config.connect(tokio_postgres::NoTls).await?;
+        let connection = tokio::spawn(connection);
+        admin
+            .batch_execute(&format!(
+                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
+            ))
+            .await?;
+        drop(admin);
+        let _ = connection.await;
+        Ok::<_, BoxError>(())
+    };
+    let dropped = dropped.await;
+    measured.and(dropped)
+}
+
+async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxError> {
+    let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let ttl = Duration::from_secs(30); // The store's defaults: 30 s TTL, renewal every 10 s.
     let mut builder =
-        PgKvStore::builder_from_config(target.config.clone()).table(&table).pool_size(max_writers);
+        PgKvStore::builder_from_config(target.config.clone()).table(table).pool_size(max_writers);
     if let Some(statements) = args.write_concurrency {
         builder = builder.write_concurrency(statements);
     }
     let store = builder.open().await?;
     let baseline =
-        Baseline::new(&store, &table, support::pool(target.config.clone(), max_writers), ttl);
+        Baseline::new(&store, table, support::pool(target.config.clone(), max_writers), ttl);
     // The renewal probe gets a pool (one connection) of its own, like the store's renewal task.
-    let probe = Baseline::new(&store, &table, support::pool(target.config.clone(), 1), ttl);
+    let probe = Baseline::new(&store, table, support::pool(target.config.clone(), 1), ttl);
     // A second probe commits its renewals without waiting for the WAL flush, set as a startup
     // option of its own connection: how much of the renewal's latency is the flush queue.
     let mut async_config = target.config.clone();
     let options = async_config.get_options().unwrap_or("").to_owned();
     async_config.options(format!("{options} -c synchronous_commit=off").trim());
-    let probe_async = Baseline::new(&store, &table, support::pool(async_config, 1), ttl);
+    let probe_async = Baseline::new(&store, table, support::pool(async_config, 1), ttl);
     let (admin, admin_conn) = target.config.connect(tokio_postgres::NoTls).await?;
     let admin_task = tokio::spawn(admin_conn);
     let server_version: String = admin.query_one("SELECT version()", &[]).await?.get(0);
@@ -709,8 +740,9 @@ fn us(d: Duration) -> u128 {
 impl Report<'_> {
     fn header(&self) -> String {
         format!(
-            "{}; {} CPUs; {}; SELECT 1 round trip p50 {:.3} ms, p99 {:.3} ms;\n\
+            "{}{}; {} CPUs; {}; SELECT 1 round trip p50 {:.3} ms, p99 {:.3} ms;\n\
              {}-byte values; {:.1} s per variant and concurrency in {} rounds",
+            if cfg!(debug_assertions) { "DEBUG BUILD (use --release); " } else { "" },
             self.server_version.split(" on ").next().unwrap_or(&self.server_version),
             cpus(),
             self.transport,

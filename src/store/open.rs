@@ -281,7 +281,7 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 /// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
 /// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
 /// that is not busy the second connection gets `p`.
-async fn check_own_session(
+pub(crate) async fn check_own_session(
     pool: &Pool,
     config: Option<&tokio_postgres::Config>,
     tls: &connect::Tls,

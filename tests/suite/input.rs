@@ -398,3 +398,78 @@ async fn password_file_supplies_the_password_by_libpq_rules() {
     connection.await.unwrap().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `Builder::from_env` itself, as an application calls it. libpq's variables, set for a child
+/// process only, name the server, the password role and its password. The child (this binary,
+/// running the ignored test below) opens a store there and writes. A wrong `PGPASSWORD` fails
+/// it with the server's refusal, so the password came from the variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_from_env_opens_a_store_with_libpq_variables() {
+    let server = common::server();
+    server.ensure_password_role().await.unwrap();
+    let addr = server.tcp_addr().expect("the test server's TCP address");
+    let dbname = server.config().get_dbname().unwrap_or("postgres").to_owned();
+    // A schema of the password role's own: it may not create tables in `public`.
+    let schema = table("fromenv");
+    let admin = admin().await;
+    admin
+        .batch_execute(&format!("CREATE SCHEMA \"{schema}\" AUTHORIZATION {PASSWORD_ROLE}"))
+        .await
+        .unwrap();
+    let home = tempdir("pgfence-from-env-home"); // No ~/.pgpass, no ~/.postgresql.
+    let child = |password: &str| {
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        for name in ["PGPASSFILE", "PGSSLMODE", "PGSSLROOTCERT", "PGSSLCERT", "PGSSLKEY"] {
+            command.env_remove(name);
+        }
+        command
+            .args(["--exact", &common::test_path(module_path!(), "builder_from_env_child")])
+            .args(["--include-ignored", "--nocapture"])
+            .env_remove("DATABASE_URL")
+            .env("HOME", &home)
+            .env("PGHOST", addr.ip().to_string())
+            .env("PGPORT", addr.port().to_string())
+            .env("PGUSER", PASSWORD_ROLE)
+            .env("PGDATABASE", &dbname)
+            .env("PGPASSWORD", password)
+            .env("PGCONNECT_TIMEOUT", "10")
+            .env("PGFENCE_FROM_ENV_TABLE", format!("{schema}.kv"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let refused = child("wrong-password");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let stdout = String::from_utf8_lossy(&refused.stdout);
+    assert!(!refused.status.success(), "a wrong PGPASSWORD: {stdout}\n{stderr}");
+    assert!(
+        stdout.contains("password authentication failed")
+            || stderr.contains("password authentication failed"),
+        "the server refused the variable's password: {stdout}\n{stderr}"
+    );
+
+    let opened = child(PASSWORD_ROLE_PASSWORD);
+    assert!(
+        opened.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&opened.stdout),
+        String::from_utf8_lossy(&opened.stderr)
+    );
+    let row = admin
+        .query_one(&format!("SELECT value FROM \"{schema}\".kv WHERE key = 'k'"), &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Vec<u8>>(0), b"from the environment");
+    admin.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE")).await.unwrap();
+    std::fs::remove_dir_all(&home).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run in a child process by builder_from_env_opens_a_store_with_libpq_variables"]
+async fn builder_from_env_child() {
+    let kv = std::env::var("PGFENCE_FROM_ENV_TABLE").expect("only as a child process");
+    let builder = pgfence::Builder::from_env(None).expect("libpq's variables");
+    let store = builder.table(kv).open().await.expect("open with libpq's variables");
+    store.write("env", "s", "k", b"from the environment".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}

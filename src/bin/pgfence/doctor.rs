@@ -65,7 +65,9 @@ const DOCTOR_FACTS: &str = "SELECT
     END,
     CASE WHEN to_regclass($2::text) IS NULL THEN true
          ELSE has_table_privilege($2::text, 'SELECT') AND has_table_privilege($2::text, 'UPDATE')
-    END";
+    END,
+    host(inet_server_addr()),
+    inet_server_port()";
 
 /// `doctor`: each check a row of a pass/warn/fail table (or `--json`); exit 1 if one fails.
 pub(crate) async fn doctor(builder: Builder, target: &Target, json: bool) -> Result<(), Exit> {
@@ -220,6 +222,12 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
             "current_user differs from the login role (SET ROLE): pgfence could not end a              session whose write may still commit; log in as the role that owns the tables")
     });
     drop(client);
+    let server_end: (Option<String>, Option<i32>) = (facts.get(18), facts.get(19));
+    let session = match builder.clone().inspect().await {
+        Ok(inspector) => inspector.check_session().await,
+        Err(e) => Err(e),
+    };
+    checks.push(pooler_check(target, server_end, session));
     if !(has_kv && has_lease) {
         checks.push(check(
             "table",
@@ -266,4 +274,72 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         Err(e) => check("lease", Status::Fail, chain(&e)),
     });
     checks
+}
+
+/// Whether something sits between this machine and the server, and whether it keeps a server
+/// session per client. A pooler or proxy shows as a server port other than the one connected
+/// to. A transaction pooler shows in the library's own check (`session`), which `open()` makes.
+fn pooler_check(
+    target: &Target,
+    (server_addr, server_port): (Option<String>, Option<i32>),
+    session: pgfence::Result<()>,
+) -> Check {
+    use tokio_postgres::config::Host;
+    const NAME: &str = "pooler";
+    match session {
+        Err(pgfence::Error::PoolerModeUnsupported { pool_mode }) => {
+            return check(
+                NAME,
+                Status::Fail,
+                format!(
+                    "a pooler hands server sessions out per {pool_mode} (PgBouncer transaction or \
+                 statement mode); pgfence needs a session of its own: set pool_mode = session \
+                 for this database, or connect to the server directly"
+                ),
+            );
+        }
+        Err(e) => {
+            return check(
+                NAME,
+                Status::Warn,
+                format!(
+                    "could not check for a transaction pooler: {}; run doctor again",
+                    chain(&e)
+                ),
+            );
+        }
+        Ok(()) => {}
+    }
+    let hosts = target.config.get_hosts();
+    let ports = target.config.get_ports();
+    let port_of = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+    let tcp_ports: Vec<u16> = hosts
+        .iter()
+        .enumerate()
+        .filter(|(_, host)| matches!(host, Host::Tcp(_)))
+        .map(|(i, _)| port_of(i))
+        .collect();
+    // The server's end of this connection: its address and port, or a Unix socket (NULL).
+    let (server, direct) = match server_port {
+        Some(port) => {
+            let addr = server_addr.unwrap_or_default();
+            let direct = u16::try_from(port).is_ok_and(|p| tcp_ports.contains(&p));
+            (format!("{addr}:{port}"), direct)
+        }
+        None => ("a Unix socket".to_owned(), tcp_ports.len() < hosts.len()),
+    };
+    let connected = target.servers();
+    if direct {
+        check(NAME, Status::Pass, format!("none seen: the server's end is {server}, as connected"))
+    } else {
+        // A pooler or proxy in session mode, or a NAT: what pgfence needs.
+        check(
+            NAME,
+            Status::Pass,
+            format!(
+                "a pooler or proxy sits between: connected to {connected}, the server's end is \
+             {server}; it keeps one server session per client (session mode), as pgfence needs"
+            ),
+        )
+    }
 }
