@@ -3,7 +3,6 @@
 
 use tokio_postgres::error::SqlState;
 
-use crate::config::Builder;
 use crate::error::{Error, Result};
 use crate::exec::value_or_not_found;
 use crate::keys::{TableName, check_key, check_namespaces};
@@ -11,7 +10,7 @@ use crate::schema::{self, LeaseInfo};
 use crate::sql::Statements;
 
 /// Read-only access to a table without its lease: the lease row, reads and listings, and the
-/// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
+/// operator's break-glass release. Created by [`Builder::inspect`](crate::Builder::inspect). A table that does not exist
 /// yet reads as empty.
 #[derive(Debug)]
 pub struct Inspector {
@@ -21,11 +20,9 @@ pub struct Inspector {
 }
 
 impl Inspector {
-    /// An inspector of `builder`'s table (see [`Builder::inspect`]).
-    pub(crate) fn new(builder: &Builder) -> Result<Inspector> {
-        let table = builder.validate()?;
-        let pool = builder.pool()?;
-        Ok(Inspector { pool, statements: Statements::new(&table), table })
+    /// An inspector of `builder`'s table (see [`Builder::inspect`](crate::Builder::inspect)).
+    pub(crate) fn new(table: TableName, pool: deadpool_postgres::Pool) -> Inspector {
+        Inspector { pool, statements: Statements::new(&table), table }
     }
 
     async fn query(

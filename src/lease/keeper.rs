@@ -487,7 +487,7 @@ mod tests {
     use super::*;
     use uuid::Uuid;
 
-    use crate::config::LeaseLossPolicy;
+    use crate::lease::LeaseLossPolicy;
     use crate::lease::LeaseState;
     use crate::lease::tests::{lease, published};
 

@@ -15,7 +15,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::PgKvStore;
-use crate::config::{Builder, Source, host_name};
+use super::builder::{Builder, Source};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::exec::{Backend, Checkout, Executor, detached, discard, identify};
@@ -426,4 +426,15 @@ async fn release_unanswered_setup(
             "pgfence could not release the lease of a setup whose commit went unanswered; it \
                 expires by its TTL"),
     }
+}
+
+/// The host name for the lease row, best effort (it is only shown to operators).
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_owned())
 }

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use crate::config::Builder;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
 use crate::schema;
-use crate::store::{self, PgKvStore};
+
+use super::builder::Builder;
+use super::{PgKvStore, open};
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it. It bounds the
 /// takeover delay when notifications are unavailable: LISTEN connection down, or a pool source.
@@ -137,7 +138,7 @@ impl Standby {
                     () = &mut stop => return Ok(None),
                 };
             }
-            let wait = match store::open::open_until(self.builder.clone(), &mut stop).await {
+            let wait = match open::open_until(self.builder.clone(), &mut stop).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(store)) => {
                     self.progress
