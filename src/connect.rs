@@ -4,14 +4,16 @@
 //! creating a missing database. So none of them can be plain, or stricter, by mistake.
 
 use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, RecyclingMethod};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, PoolError, RecyclingMethod};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio_postgres::config::Host;
 use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -67,6 +69,77 @@ impl Tls {
         let task = AbortOnDrop(Some(task));
         client.batch_execute(sql::READ_COMMITTED).await?;
         Ok((client, task.detach()))
+    }
+}
+
+/// The servers `config` names, as psql names them: `host:port`, or a Unix socket's path.
+/// Never the password. Several hosts are joined with commas.
+pub(crate) fn servers(config: &Config) -> String {
+    let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+    let hosts = config.get_hosts();
+    if hosts.is_empty() {
+        return format!("(no host):{}", port(0));
+    }
+    let named: Vec<String> = hosts
+        .iter()
+        .enumerate()
+        .map(|(i, host)| match host {
+            Host::Tcp(name) => format!("{name}:{}", port(i)),
+            Host::Unix(dir) => format!("{}/.s.PGSQL.{}", dir.display(), port(i)),
+        })
+        .collect();
+    named.join(",")
+}
+
+/// The store's pool, with the servers and the role it connects as. A connection that cannot
+/// be had is reported as [`Error::Connect`] naming the servers, not as the pool's error.
+#[derive(Clone, Debug)]
+pub(crate) struct Pool {
+    pool: deadpool_postgres::Pool,
+    /// [`servers`] of the configuration, or a description of a pool passed in.
+    servers: Arc<str>,
+    /// The role, for the `GRANT` of a permission error; unknown for a pool passed in.
+    role: Option<Arc<str>>,
+}
+
+impl Pool {
+    /// A pool built from `config`, or (`None`) the application's own.
+    pub(crate) fn new(pool: deadpool_postgres::Pool, config: Option<&Config>) -> Pool {
+        let (servers, role) = match config {
+            Some(config) => (servers(config).into(), config.get_user().map(Arc::from)),
+            // deadpool-postgres keeps its configuration private.
+            None => ("the server of the application's pool".into(), None),
+        };
+        Pool { pool, servers, role }
+    }
+
+    /// A connection of the pool, for `operation`.
+    pub(crate) async fn get(&self, operation: &'static str) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(|e| self.error(operation, e))
+    }
+
+    /// The pool's error `e` as this crate reports it.
+    pub(crate) fn error(&self, operation: &'static str, e: PoolError) -> Error {
+        Error::from_pool(operation, &self.servers, e)
+    }
+
+    /// The pool itself, for a caller that handles its errors first.
+    pub(crate) fn raw(&self) -> &deadpool_postgres::Pool {
+        &self.pool
+    }
+
+    /// The role the pool connects as, when known.
+    pub(crate) fn role(&self) -> Option<&str> {
+        self.role.as_deref()
+    }
+}
+
+impl Deref for Pool {
+    type Target = deadpool_postgres::Pool;
+
+    fn deref(&self) -> &deadpool_postgres::Pool {
+        &self.pool
     }
 }
 

@@ -14,14 +14,14 @@ use crate::sql::Statements;
 /// yet reads as empty.
 #[derive(Debug)]
 pub struct Inspector {
-    pool: deadpool_postgres::Pool,
+    pool: crate::connect::Pool,
     table: TableName,
     statements: Statements,
 }
 
 impl Inspector {
     /// An inspector of `builder`'s table (see [`Builder::inspect`](crate::Builder::inspect)).
-    pub(crate) fn new(table: TableName, pool: deadpool_postgres::Pool) -> Inspector {
+    pub(crate) fn new(table: TableName, pool: crate::connect::Pool) -> Inspector {
         Inspector { pool, statements: Statements::new(&table), table }
     }
 
@@ -31,17 +31,17 @@ impl Inspector {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Vec<tokio_postgres::Row>>> {
-        let client = self.pool.get().await.map_err(Error::pool(operation))?;
+        let client = self.pool.get(operation).await?;
         match client.query(sql, params).await {
             Ok(rows) => Ok(Some(rows)),
             Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
-            Err(source) => Err(Error::Database { operation, source }),
+            Err(source) => Err(Error::db(operation)(source).for_role(self.pool.role())),
         }
     }
 
     /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
-        let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
+        let client = self.pool.get("read lease").await?;
         match schema::lease_info(&**client, &self.statements).await {
             Err(Error::Database { source, .. })
                 if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
@@ -103,7 +103,7 @@ impl Inspector {
     pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };
-        let client = self.pool.get().await.map_err(Error::pool("force release"))?;
+        let client = self.pool.get("force release").await?;
         let channel = schema::notify_channel(&**client, &self.table)
             .await
             .map_err(Error::db("resolve table schema"))?;

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::Lease;
 use crate::clock::clock;
-use crate::connect::Tls;
+use crate::connect::{Tls, servers};
 use crate::error::{Error, LossReason, Result};
 use crate::sql;
 
@@ -24,7 +24,7 @@ pub(crate) enum Connector {
     Config(Box<tokio_postgres::Config>, Tls),
     /// An application-supplied pool: a connection is taken out of it for good (the pool opens
     /// a replacement when it needs one). Its I/O task runs on the runtime that created it.
-    Pool(deadpool_postgres::Pool),
+    Pool(crate::connect::Pool),
 }
 
 enum Conn {
@@ -47,12 +47,14 @@ impl Connector {
         let connecting = async {
             match self {
                 Connector::Config(config, tls) => {
-                    let (client, _) =
-                        tls.connect(config, "renewal", None).await.map_err(Error::db(operation))?;
+                    let (client, _) = tls
+                        .connect(config, "renewal", None)
+                        .await
+                        .map_err(|e| Error::connect(operation, &servers(config), e))?;
                     Ok(Conn::Own(client))
                 }
                 Connector::Pool(pool) => {
-                    let object = pool.get().await.map_err(Error::pool(operation))?;
+                    let object = pool.get(operation).await?;
                     Ok(Conn::Pooled(deadpool_postgres::Object::take(object)))
                 }
             }

@@ -403,28 +403,29 @@ impl Builder {
         self.renew_interval.unwrap_or(self.deadline() / 2)
     }
 
-    /// Checks every option; returns the parsed table name.
     /// The pool the store's operations use: built from the configuration (fast recycling:
     /// a broken connection is noticed on use and retried), or the one supplied.
-    pub(crate) fn pool(&self) -> Result<Pool> {
+    pub(crate) fn pool(&self) -> Result<connect::Pool> {
         let config = match &self.source {
             Source::Config(_) => self.connection_config().expect("a config source"),
-            Source::Pool(pool) => return Ok(pool.clone()),
+            Source::Pool(pool) => return Ok(connect::Pool::new(pool.clone(), None)),
             Source::Invalid(reason) => {
                 return Err(Error::config("connection string", reason.clone()));
             }
         };
-        let manager = self.tls.manager(config);
-        Pool::builder(manager)
+        let manager = self.tls.manager(config.clone());
+        let pool = Pool::builder(manager)
             .post_create(connect::read_committed(self.connect_timeout))
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(self.connect_timeout))
             .recycle_timeout(Some(self.connect_timeout))
             .build()
-            .map_err(|e| Error::config("pool", e.to_string()))
+            .map_err(|e| Error::config("pool", e.to_string()))?;
+        Ok(connect::Pool::new(pool, Some(&config)))
     }
 
+    /// Checks every option; returns the parsed table name.
     pub(crate) fn validate(&self) -> Result<TableName> {
         if let Source::Invalid(reason) = &self.source {
             return Err(Error::config("connection string", reason.clone()));

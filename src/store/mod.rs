@@ -367,7 +367,7 @@ impl PgKvStore {
     /// database whatever this store's state, so after a loss it shows the new holder. After
     /// `close()` it needs a pool that is still open. The store closes a pool it built itself.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
-        let client = self.exec.pool.get().await.map_err(Error::pool("read lease"))?;
+        let client = self.exec.pool.get("read lease").await?;
         schema::lease_info(&**client, &self.exec.statements).await
     }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deadpool_postgres::{Pool, PoolError};
+use deadpool_postgres::PoolError;
 use tokio::sync::{RwLock, oneshot};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -35,6 +35,8 @@ pub(crate) async fn open_until(
     stop: impl Future<Output = ()>,
 ) -> Result<Option<PgKvStore>> {
     let table = builder.validate()?;
+    // For the `GRANT` of a permission error; unknown for a pool passed in.
+    let role = builder.connection_config().and_then(|c| c.get_user().map(str::to_owned));
     // Dropped when the caller gives up: tells the task that nobody waits for the store.
     let (caller, gone) = oneshot::channel::<()>();
     let opening = open_here(builder, table, gone).instrument(tracing::Span::current());
@@ -42,7 +44,7 @@ pub(crate) async fn open_until(
     tokio::pin!(opening);
     tokio::select! {
         biased;
-        opened = &mut opening => opened.map(Some),
+        opened = &mut opening => opened.map(Some).map_err(|e| e.for_role(role.as_deref())),
         () = stop => {
             drop(caller);
             match opening.await {
@@ -72,7 +74,7 @@ async fn open_here(
             let config = builder.connection_config().expect("a config source");
             (Connector::Config(Box::new(config.clone()), builder.tls.clone()), Some(config))
         }
-        Source::Pool(pool) => (Connector::Pool(pool.clone()), None),
+        Source::Pool(_) => (Connector::Pool(pool.clone()), None),
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
     };
 
@@ -282,7 +284,7 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
 /// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
 /// that is not busy the second connection gets `p`.
 async fn check_own_session(
-    pool: &Pool,
+    pool: &connect::Pool,
     config: Option<&tokio_postgres::Config>,
     tls: &connect::Tls,
     client: &tokio_postgres::Client,
@@ -294,7 +296,7 @@ async fn check_own_session(
     // `client`, which it never gets back.
     let status = pool.status();
     let other = if status.available > 0 || status.size < status.max_size {
-        let other = pool.get().await.map_err(Error::pool(operation))?;
+        let other = pool.get(operation).await?;
         let pid = backend_pid(&other).await.map_err(Error::db(operation))?;
         // Closed now, not kept in the pool. A partition during the setup that follows would
         // leave this idle session on the server for hours: the server ends only sessions idle
@@ -302,8 +304,10 @@ async fn check_own_session(
         drop(deadpool_postgres::Object::take(other));
         Some(pid)
     } else if let Some(config) = config {
-        let (other, _task) =
-            tls.connect(config, "pooler check", None).await.map_err(Error::db(operation))?;
+        let (other, _task) = tls
+            .connect(config, "pooler check", None)
+            .await
+            .map_err(|e| Error::connect(operation, &connect::servers(config), e))?;
         Some(backend_pid(&other).await.map_err(Error::db(operation))?)
     } else {
         None
@@ -331,21 +335,20 @@ async fn backend_pid(
 /// A connection of the pool, creating the database first if it does not exist (and the role
 /// may; only with a connection config, `config`).
 async fn connect(
-    pool: &Pool,
+    pool: &connect::Pool,
     config: Option<&tokio_postgres::Config>,
     tls: &connect::Tls,
     connect_timeout: Duration,
 ) -> Result<deadpool_postgres::Object> {
-    match pool.get().await {
+    match pool.raw().get().await {
         Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
             let Some(config) = config else {
-                let source = Box::new(PoolError::Backend(e));
-                return Err(Error::Pool { operation: "connect", source });
+                return Err(pool.error("connect", PoolError::Backend(e)));
             };
             schema::create_database(config, tls, connect_timeout).await?;
-            pool.get().await.map_err(Error::pool("connect"))
+            pool.get("connect").await
         }
-        other => other.map_err(Error::pool("connect")),
+        other => other.map_err(|e| pool.error("connect", e)),
     }
 }
 
@@ -391,7 +394,7 @@ fn is_abandoned(caller: &mut oneshot::Receiver<()>) -> bool {
 /// the lease by the setup's owner id, which matches nothing if the commit did not happen. This
 /// is best effort: the lease expires by its TTL otherwise.
 async fn release_unanswered_setup(
-    pool: &Pool,
+    pool: &connect::Pool,
     table: &TableName,
     statements: &Statements,
     backend: &Backend,
@@ -401,7 +404,7 @@ async fn release_unanswered_setup(
     let attempt = async {
         // Closed, not handed back, if this attempt is given up with a statement unanswered
         // (the caller's timeout): the pool may be the application's own.
-        let client = Checkout::new(pool.get().await.map_err(Error::pool(operation))?);
+        let client = Checkout::new(pool.get(operation).await?);
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
         let released = async {
             client.query(sql::TERMINATE_BACKEND, &params).await?;
