@@ -25,6 +25,10 @@ use crate::schema::{self, Holder, SetupFailed};
 use crate::sql::{self, Statements};
 use crate::write::Writes;
 
+/// The target of this module's log events: stable, whatever the module's path (see
+/// docs/design.md, "Logging").
+const LOG: &str = "pgfence::open";
+
 /// [`Builder::open`]: the store, or [`Error::Closed`] if the opening was given up.
 pub(crate) async fn open(builder: Builder) -> Result<PgKvStore> {
     open_until(builder, std::future::pending()).await?.ok_or(Error::Closed)
@@ -50,11 +54,13 @@ pub(crate) async fn open_until(
             match opening.await {
                 Ok(store) => {
                     if let Err(e) = store.close().await {
-                        tracing::warn!(error = %e, "pgfence open stopped after its commit; \
+                        tracing::warn!(
+                            target: LOG,
+                            error = %e, "pgfence open stopped after its commit; \
                             releasing failed");
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, "pgfence open stopped"),
+                Err(e) => tracing::debug!(target: LOG, error = %e, "pgfence open stopped"),
             }
             Ok(None)
         }
@@ -138,7 +144,7 @@ async fn open_here(
                 let release =
                     release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
                 if tokio::time::timeout(builder.connect_timeout, release).await.is_err() {
-                    tracing::warn!(table = %table.display(),
+                    tracing::warn!(target: LOG, table = %table.display(),
                         "pgfence could not release a lease whose setup commit went unanswered in \
                             time; it expires by its TTL");
                 }
@@ -146,7 +152,7 @@ async fn open_here(
             return Err(error);
         }
     };
-    tracing::info!(table = %table.display(), epoch = acquired.epoch,
+    tracing::info!(target: LOG, table = %table.display(), epoch = acquired.epoch,
         owner_id = %acquired.owner_id, "pgfence lease acquired");
 
     let lease = Arc::new(Lease::new(
@@ -180,11 +186,13 @@ async fn open_here(
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
                 Some(Err(release)) => {
-                    tracing::error!(error = %release, "pgfence could not release after a failed \
+                    tracing::error!(
+                        target: LOG,
+                        error = %release, "pgfence could not release after a failed \
                         start");
                 }
                 None => {
-                    tracing::error!(table = %table.display(),
+                    tracing::error!(target: LOG, table = %table.display(),
                         "pgfence gave up releasing after a failed start; the lease expires by its \
                             TTL");
                     discard(client);
@@ -211,15 +219,19 @@ async fn open_here(
     match answered_in_time(&mut caller, builder.lease_ttl, analyzing).await {
         Some(Ok(())) => drop(client), // Back to the pool.
         Some(Err(e)) => {
-            tracing::warn!(error = %e, "pgfence could not check or gather table statistics");
+            tracing::warn!(
+                target: LOG,
+                error = %e, "pgfence could not check or gather table statistics");
         }
         None => {
-            tracing::warn!(table = %table.display(),
+            tracing::warn!(target: LOG, table = %table.display(),
                 "pgfence gave up gathering table statistics (held up, or open() abandoned)");
             if let Err(e) =
                 builder.tls.cancel(&client.cancel_token(), builder.connect_timeout).await
             {
-                tracing::warn!(error = %e, "pgfence could not cancel gathering statistics");
+                tracing::warn!(
+                    target: LOG,
+                    error = %e, "pgfence could not cancel gathering statistics");
             }
             discard(client);
         }
@@ -420,12 +432,14 @@ async fn release_unanswered_setup(
     };
     match attempt.await {
         Ok(rows) if rows.is_empty() => {
-            tracing::debug!(table = %table.display(), "pgfence unanswered setup commit took no \
+            tracing::debug!(
+                target: LOG,
+                table = %table.display(), "pgfence unanswered setup commit took no \
                 lease");
         }
-        Ok(_) => tracing::warn!(table = %table.display(), %owner_id,
+        Ok(_) => tracing::warn!(target: LOG, table = %table.display(), %owner_id,
             "pgfence released the lease of a setup whose commit went unanswered"),
-        Err(e) => tracing::warn!(table = %table.display(), error = %e,
+        Err(e) => tracing::warn!(target: LOG, table = %table.display(), error = %e,
             "pgfence could not release the lease of a setup whose commit went unanswered; it \
                 expires by its TTL"),
     }
