@@ -124,7 +124,7 @@ pub enum Error {
 
     /// A connection to the server could not be made. It names the server and the step that
     /// failed; the driver's error is the source. Never the password.
-    #[error("connection to {server} failed at step {step} during {operation}: {source}")]
+    #[error("connection to {server} failed at step {step} during {operation}")]
     Connect {
         /// What the store was doing.
         operation: &'static str,
@@ -144,11 +144,11 @@ pub enum Error {
     PermissionDenied {
         /// What the store was doing.
         operation: &'static str,
-        /// The privilege missing, such as `CREATE on schema public`.
-        privilege: String,
+        /// The privilege missing, such as `USAGE and CREATE on schema public`.
+        privilege: Box<str>,
         /// The statement an administrator runs to fix it. It names the role when the store
         /// knows it, else `<role>`.
-        grant: String,
+        grant: Box<str>,
         /// The server's error.
         #[source]
         source: tokio_postgres::Error,
@@ -452,14 +452,14 @@ impl Error {
 
 /// For a permission error (SQLSTATE 42501): the privilege missing and the statement an
 /// administrator runs to give it to `role`, from the server's message.
-fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(String, String)> {
+fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(Box<str>, Box<str>)> {
     let db = e.as_db_error()?;
     if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {
         return None;
     }
     let message = db.message();
     let object = |prefix: &str| message.strip_prefix(prefix);
-    Some(if let Some(schema) = object("permission denied for schema ") {
+    let (privilege, grant) = if let Some(schema) = object("permission denied for schema ") {
         (
             format!("USAGE and CREATE on schema {schema}"),
             format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}"),
@@ -484,7 +484,8 @@ fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(String, String)> 
             format!("a privilege the server names: {message}"),
             "run `pgfence doctor`, which names the privileges the role lacks".to_owned(),
         )
-    })
+    };
+    Some((privilege.into(), grant.into()))
 }
 
 /// True when the error means the connection is gone (so a statement's outcome may be unknown),
@@ -558,6 +559,12 @@ mod tests {
             secondary_namespace: "b".into(),
             key: "c".into(),
         };
+        let connect = |step| Error::Connect {
+            operation: "connect",
+            server: "db.internal:5432".into(),
+            step,
+            source: Box::new(std::io::Error::other("refused")),
+        };
         let cases = [
             (Error::NotFound(Box::new(path)), ErrorKind::NotFound),
             (
@@ -581,6 +588,9 @@ mod tests {
             (Error::ValueTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
             (Error::BatchTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
             (Error::Closed, ErrorKind::NotConnected),
+            (connect(ConnectStep::Connect), ErrorKind::ConnectionRefused),
+            (connect(ConnectStep::Authentication), ErrorKind::PermissionDenied),
+            (connect(ConnectStep::Tls), ErrorKind::Other),
             (
                 Error::Timeout { operation: "close", after: Duration::from_secs(1) },
                 ErrorKind::TimedOut,
