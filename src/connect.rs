@@ -4,14 +4,16 @@
 //! creating a missing database. So none of them can be plain, or stricter, by mistake.
 
 use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, RecyclingMethod};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, PoolError, RecyclingMethod};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio_postgres::config::Host;
 use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -67,6 +69,77 @@ impl Tls {
         let task = AbortOnDrop(Some(task));
         client.batch_execute(sql::READ_COMMITTED).await?;
         Ok((client, task.detach()))
+    }
+}
+
+/// The servers `config` names, as psql names them: `host:port`, or a Unix socket's path.
+/// Never the password. Several hosts are joined with commas.
+pub(crate) fn servers(config: &Config) -> String {
+    let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+    let hosts = config.get_hosts();
+    if hosts.is_empty() {
+        return format!("(no host):{}", port(0));
+    }
+    let named: Vec<String> = hosts
+        .iter()
+        .enumerate()
+        .map(|(i, host)| match host {
+            Host::Tcp(name) => format!("{name}:{}", port(i)),
+            Host::Unix(dir) => format!("{}/.s.PGSQL.{}", dir.display(), port(i)),
+        })
+        .collect();
+    named.join(",")
+}
+
+/// The store's pool, with the servers and the role it connects as. A connection that cannot
+/// be had is reported as [`Error::Connect`] naming the servers, not as the pool's error.
+#[derive(Clone, Debug)]
+pub(crate) struct Pool {
+    pool: deadpool_postgres::Pool,
+    /// [`servers`] of the configuration, or a description of a pool passed in.
+    servers: Arc<str>,
+    /// The role, for the `GRANT` of a permission error; unknown for a pool passed in.
+    role: Option<Arc<str>>,
+}
+
+impl Pool {
+    /// A pool built from `config`, or (`None`) the application's own.
+    pub(crate) fn new(pool: deadpool_postgres::Pool, config: Option<&Config>) -> Pool {
+        let (servers, role) = match config {
+            Some(config) => (servers(config).into(), config.get_user().map(Arc::from)),
+            // deadpool-postgres keeps its configuration private.
+            None => ("the server of the application's pool".into(), None),
+        };
+        Pool { pool, servers, role }
+    }
+
+    /// A connection of the pool, for `operation`.
+    pub(crate) async fn get(&self, operation: &'static str) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(|e| self.error(operation, e))
+    }
+
+    /// The pool's error `e` as this crate reports it.
+    pub(crate) fn error(&self, operation: &'static str, e: PoolError) -> Error {
+        Error::from_pool(operation, &self.servers, e)
+    }
+
+    /// The pool itself, for a caller that handles its errors first.
+    pub(crate) fn raw(&self) -> &deadpool_postgres::Pool {
+        &self.pool
+    }
+
+    /// The role the pool connects as, when known.
+    pub(crate) fn role(&self) -> Option<&str> {
+        self.role.as_deref()
+    }
+}
+
+impl Deref for Pool {
+    type Target = deadpool_postgres::Pool;
+
+    fn deref(&self) -> &deadpool_postgres::Pool {
+        &self.pool
     }
 }
 
@@ -200,4 +273,68 @@ where
             }
         }
     })
+}
+
+/// Refuses a connection through a pooler that hands server sessions out per transaction
+/// (PgBouncer's transaction or statement mode). The store relies on a session of its own. Its
+/// prepared statements live in it. A write whose outcome is unknown is settled by ending
+/// that session's server process by pid. Behind such a pooler that process may serve another
+/// client.
+///
+/// Only session state can tell, and setting any would leak into the pooler's shared server
+/// sessions. So this compares server process ids, which change nothing (simple protocol: no
+/// prepared statement either). `client` asks for its pid `p`; a second connection of the pool
+/// asks for its own; then `client` asks again. Directly or through a session pooler, `client`
+/// keeps server process `p` for as long as it is connected. So no other connection can be
+/// served by `p`, and `client` never sees another pid. Either observation is therefore proof of
+/// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
+/// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
+/// that is not busy the second connection gets `p`.
+pub(crate) async fn check_own_session(
+    pool: &Pool,
+    config: Option<&tokio_postgres::Config>,
+    tls: &Tls,
+    client: &tokio_postgres::Client,
+) -> Result<()> {
+    let operation = "check for a transaction pooler";
+    let first = backend_pid(client).await.map_err(Error::db(operation))?;
+    // A spare connection of the pool, else (pool size 1) one of its own if the store has the
+    // configuration. Never a wait for the pool: a caller's pool of one would wait for
+    // `client`, which it never gets back.
+    let status = pool.status();
+    let other = if status.available > 0 || status.size < status.max_size {
+        let other = pool.get(operation).await?;
+        let pid = backend_pid(&other).await.map_err(Error::db(operation))?;
+        // Closed now, not kept in the pool. A partition during the setup that follows would
+        // leave this idle session on the server for hours: the server ends only sessions idle
+        // in a transaction, and it hears of a vanished client only through keepalives.
+        drop(deadpool_postgres::Object::take(other));
+        Some(pid)
+    } else if let Some(config) = config {
+        let (other, _task) = tls
+            .connect(config, "pooler check", None)
+            .await
+            .map_err(|e| Error::connect(operation, &servers(config), e))?;
+        Some(backend_pid(&other).await.map_err(Error::db(operation))?)
+    } else {
+        None
+    };
+    let again = backend_pid(client).await.map_err(Error::db(operation))?;
+    if other == Some(first) || again != first {
+        return Err(Error::PoolerModeUnsupported { pool_mode: "transaction" });
+    }
+    Ok(())
+}
+
+/// `pg_backend_pid()` over the simple query protocol (see `sql::BACKEND_PID`).
+async fn backend_pid(
+    client: &tokio_postgres::Client,
+) -> std::result::Result<i32, tokio_postgres::Error> {
+    let messages = client.simple_query(sql::BACKEND_PID).await?;
+    let pid = messages.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).and_then(|pid| pid.parse().ok()),
+        _ => None,
+    });
+    // PostgreSQL always answers with one integer; 0 never names a process.
+    Ok(pid.unwrap_or(0))
 }

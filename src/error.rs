@@ -122,7 +122,40 @@ pub enum Error {
         source: tokio_postgres::Error,
     },
 
-    /// No connection could be had from the pool.
+    /// A connection to the server could not be made. It names the server and the step that
+    /// failed; the driver's error is the source. Never the password.
+    #[error("connection to {server} failed at step {step} during {operation}")]
+    Connect {
+        /// What the store was doing.
+        operation: &'static str,
+        /// The server, as psql names it: `host:port`, or a Unix socket's path. Several are
+        /// joined with commas.
+        server: String,
+        /// The step that failed.
+        step: ConnectStep,
+        /// The driver's error, or the time limit that passed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// The role lacks a privilege (SQLSTATE 42501). It names the privilege and the `GRANT`
+    /// that gives it; the server's error is the source.
+    #[error("permission denied during {operation}: the role needs {privilege}; fix: {grant}")]
+    PermissionDenied {
+        /// What the store was doing.
+        operation: &'static str,
+        /// The privilege missing, such as `USAGE and CREATE on schema public`.
+        privilege: Box<str>,
+        /// The statement an administrator runs to fix it. It names the role when the store
+        /// knows it, else `<role>`.
+        grant: Box<str>,
+        /// The server's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+
+    /// No connection could be had from the pool for a reason of the pool's own: none free in
+    /// time, or the pool closed. A failure to connect is [`Error::Connect`].
     #[error("connection pool error during {operation}")]
     Pool {
         /// What the store was doing.
@@ -204,6 +237,74 @@ impl fmt::Display for LossReason {
     }
 }
 
+/// The step of making a connection that failed, in [`Error::Connect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectStep {
+    /// Reaching the server: the name lookup, the TCP or Unix socket connect, or its time limit.
+    Connect,
+    /// The TLS handshake, or a server that offers no TLS.
+    Tls,
+    /// Authentication: a wrong password, no password, or no `pg_hba.conf` entry.
+    Authentication,
+    /// The role may not connect to the database (no `CONNECT` privilege).
+    Permission,
+    /// The server refused the session: no such database, too many connections, or starting up.
+    ServerRefused,
+}
+
+impl fmt::Display for ConnectStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ConnectStep::Connect => "connect",
+            ConnectStep::Tls => "TLS",
+            ConnectStep::Authentication => "authentication",
+            ConnectStep::Permission => "permission",
+            ConnectStep::ServerRefused => "server refused",
+        })
+    }
+}
+
+impl ConnectStep {
+    /// The step at which `e`, an error of making a connection, failed.
+    fn of(e: &tokio_postgres::Error) -> ConnectStep {
+        if let Some(db) = e.as_db_error() {
+            return match db.code().code() {
+                // invalid_password, invalid_authorization_specification (pg_hba.conf).
+                "28P01" | "28000" => ConnectStep::Authentication,
+                "42501" => ConnectStep::Permission,
+                _ => ConnectStep::ServerRefused,
+            };
+        }
+        // The driver's error kinds are private; its messages name them.
+        let text = e.to_string();
+        if text.starts_with("error performing TLS handshake") || has_rustls_error(e) {
+            ConnectStep::Tls
+        } else if text.starts_with("authentication error") {
+            ConnectStep::Authentication
+        } else {
+            ConnectStep::Connect
+        }
+    }
+}
+
+/// Whether a rustls error is among the sources of `e`.
+fn has_rustls_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(e);
+    while let Some(current) = source {
+        if current.is::<rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = current.downcast_ref::<std::io::Error>() {
+            if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+                return true;
+            }
+        }
+        source = current.source();
+    }
+    false
+}
+
 /// The three names of a key, for error reporting.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KeyPath {
@@ -255,35 +356,136 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database { source, .. } => is_connection_error(source),
-            Error::Pool { source, .. } => match &**source {
-                deadpool_postgres::PoolError::Timeout(_) => true,
-                deadpool_postgres::PoolError::Backend(e)
-                | deadpool_postgres::PoolError::PostCreateHook(
-                    deadpool_postgres::HookError::Backend(e),
-                ) => is_connection_error(e),
-                deadpool_postgres::PoolError::PostCreateHook(
-                    deadpool_postgres::HookError::Message(message),
-                ) => message == HOOK_TIMED_OUT,
-                _ => false,
-            },
+            // A time limit that passed has no driver error.
+            Error::Connect { source, .. } => {
+                source.downcast_ref::<tokio_postgres::Error>().is_none_or(is_connection_error)
+            }
+            Error::Pool { source, .. } => {
+                matches!(&**source, deadpool_postgres::PoolError::Timeout(_))
+            }
             Error::Timeout { .. } => true,
             _ => false,
         }
     }
 
-    pub(crate) fn db(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Error {
-        move |source| Error::Database { operation, source }
+    /// True for [`Error::Connect`]: no connection to the server could be made.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Error::Connect { .. })
     }
 
-    pub(crate) fn pool(
+    /// True for [`Error::PermissionDenied`], and for a connection the role may not make.
+    pub fn is_permission_denied(&self) -> bool {
+        matches!(
+            self,
+            Error::PermissionDenied { .. } | Error::Connect { step: ConnectStep::Permission, .. }
+        )
+    }
+
+    /// A statement's error: [`Error::PermissionDenied`] for a missing privilege, else
+    /// [`Error::Database`].
+    pub(crate) fn db(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Error {
+        move |source| match grant_for(&source, "<role>") {
+            Some((privilege, grant)) => {
+                Error::PermissionDenied { operation, privilege, grant, source }
+            }
+            None => Error::Database { operation, source },
+        }
+    }
+
+    /// A failure to connect to `server`.
+    pub(crate) fn connect(
         operation: &'static str,
-    ) -> impl FnOnce(deadpool_postgres::PoolError) -> Error {
-        move |source| Error::Pool { operation, source: Box::new(source) }
+        server: &str,
+        e: tokio_postgres::Error,
+    ) -> Error {
+        Error::Connect {
+            operation,
+            server: server.to_owned(),
+            step: ConnectStep::of(&e),
+            source: Box::new(e),
+        }
+    }
+
+    /// A pool's error, for a pool that connects to `server`. A failure to connect, or a
+    /// connection's setup that timed out, is [`Error::Connect`].
+    pub(crate) fn from_pool(
+        operation: &'static str,
+        server: &str,
+        e: deadpool_postgres::PoolError,
+    ) -> Error {
+        use deadpool_postgres::{HookError, PoolError, TimeoutType};
+        let timed_out = |what: &str| Error::Connect {
+            operation,
+            server: server.to_owned(),
+            step: ConnectStep::Connect,
+            source: Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, what.to_owned())),
+        };
+        match e {
+            PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => {
+                Error::connect(operation, server, e)
+            }
+            PoolError::Timeout(TimeoutType::Create) => {
+                timed_out("no answer within connect_timeout")
+            }
+            PoolError::PostCreateHook(HookError::Message(message)) if message == HOOK_TIMED_OUT => {
+                timed_out(HOOK_TIMED_OUT)
+            }
+            e => Error::Pool { operation, source: Box::new(e) },
+        }
+    }
+
+    /// This error with `role` in the `GRANT` of a permission error.
+    pub(crate) fn for_role(self, role: Option<&str>) -> Error {
+        match (self, role) {
+            (Error::PermissionDenied { operation, source, .. }, Some(role)) => {
+                let (privilege, grant) = grant_for(&source, role).expect("a permission error");
+                Error::PermissionDenied { operation, privilege, grant, source }
+            }
+            (e, _) => e,
+        }
     }
 
     pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Error {
         Error::InvalidConfig { field, reason: reason.into() }
     }
+}
+
+/// For a permission error (SQLSTATE 42501): the privilege missing and the statement an
+/// administrator runs to give it to `role`, from the server's message.
+fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(Box<str>, Box<str>)> {
+    let db = e.as_db_error()?;
+    if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {
+        return None;
+    }
+    let message = db.message();
+    let object = |prefix: &str| message.strip_prefix(prefix);
+    let (privilege, grant) = if let Some(schema) = object("permission denied for schema ") {
+        (
+            format!("USAGE and CREATE on schema {schema}"),
+            format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}"),
+        )
+    } else if let Some(table) = object("permission denied for table ") {
+        (
+            format!("SELECT, INSERT, UPDATE and DELETE on table {table}"),
+            format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"),
+        )
+    } else if let Some(database) = object("permission denied for database ") {
+        (
+            format!("CREATE on database {database}"),
+            format!("GRANT CREATE ON DATABASE {database} TO {role}"),
+        )
+    } else if message.starts_with("permission denied to create database") {
+        (
+            "CREATEDB".to_owned(),
+            format!("ALTER ROLE {role} CREATEDB, or create the database as an administrator"),
+        )
+    } else {
+        (
+            format!("a privilege the server names: {message}"),
+            "run `pgfence doctor`, which names the privileges the role lacks".to_owned(),
+        )
+    };
+    Some((privilege.into(), grant.into()))
 }
 
 /// True when the error means the connection is gone (so a statement's outcome may be unknown),
@@ -321,7 +523,14 @@ impl From<Error> for std::io::Error {
         let kind = match &e {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::LeaseHeld { .. } => ErrorKind::AlreadyExists,
-            Error::LeaseLost { .. } => ErrorKind::PermissionDenied,
+            Error::LeaseLost { .. } | Error::PermissionDenied { .. } => ErrorKind::PermissionDenied,
+            Error::Connect { step, .. } => match step {
+                ConnectStep::Authentication | ConnectStep::Permission => {
+                    ErrorKind::PermissionDenied
+                }
+                ConnectStep::Connect | ConnectStep::ServerRefused => ErrorKind::ConnectionRefused,
+                _ => ErrorKind::Other,
+            },
             Error::InvalidKey { .. }
             | Error::InvalidConfig { .. }
             | Error::ValueTooLarge { .. }
@@ -350,6 +559,12 @@ mod tests {
             secondary_namespace: "b".into(),
             key: "c".into(),
         };
+        let connect = |step| Error::Connect {
+            operation: "connect",
+            server: "db.internal:5432".into(),
+            step,
+            source: Box::new(std::io::Error::other("refused")),
+        };
         let cases = [
             (Error::NotFound(Box::new(path)), ErrorKind::NotFound),
             (
@@ -373,6 +588,9 @@ mod tests {
             (Error::ValueTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
             (Error::BatchTooLarge { len: 2, max: 1 }, ErrorKind::InvalidInput),
             (Error::Closed, ErrorKind::NotConnected),
+            (connect(ConnectStep::Connect), ErrorKind::ConnectionRefused),
+            (connect(ConnectStep::Authentication), ErrorKind::PermissionDenied),
+            (connect(ConnectStep::Tls), ErrorKind::Other),
             (
                 Error::Timeout { operation: "close", after: Duration::from_secs(1) },
                 ErrorKind::TimedOut,

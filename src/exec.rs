@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use deadpool_postgres::Pool;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
@@ -24,7 +23,7 @@ use crate::sql::{self, Statements};
 /// and every outstanding operation future. The last one dropped releases the lease.
 #[derive(Debug)]
 pub(crate) struct Executor {
-    pub(crate) pool: Pool,
+    pub(crate) pool: crate::connect::Pool,
     /// False for a pool the application supplied: `close()` must not close it.
     pub(crate) owns_pool: bool,
     pub(crate) table: TableName,
@@ -178,7 +177,7 @@ impl Executor {
                 result = Err(self.lease.fail_outcome_unknown());
             }
         }
-        result
+        result.map_err(|e| e.for_role(self.pool.role()))
     }
 
     /// The attempts of [`Executor::run`]; arms `unresolved` once one may have committed.
@@ -197,7 +196,8 @@ impl Executor {
             let mut sent_to: Option<Backend> = None;
             let mut pending: Option<OutcomePending<'_>> = None;
             let attempt = async {
-                let client = self.pool.get().await.map_err(|e| self.pool_error(operation, e))?;
+                let client =
+                    self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
                 let client = Checkout(Some(client));
                 let statements = async {
                     let backend = if mutation { Some(self.backend(&client).await?) } else { None };
@@ -278,7 +278,7 @@ impl Executor {
             deadpool_postgres::PoolError::Closed if self.closed.load(Ordering::SeqCst) => {
                 Error::Closed
             }
-            e => Error::pool(operation)(e),
+            e => self.pool.error(operation, e),
         }
     }
 
@@ -319,7 +319,7 @@ impl Executor {
             // overwritten. The old statement, if it commits, still commits before any takeover.
             self.lease.check()?;
             let attempt = async {
-                let client = self.pool.get().await.map_err(Error::pool("end broken session"))?;
+                let client = self.pool.get("end broken session").await?;
                 let client = Checkout(Some(client));
                 let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
                 let ended = async {

@@ -3,21 +3,19 @@
 
 use tokio_postgres::error::SqlState;
 
-use crate::config::Builder;
-use crate::connect::Tls;
+use crate::connect::{Pool, Tls, check_own_session};
 use crate::error::{Error, Result};
 use crate::exec::value_or_not_found;
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::schema::{self, LeaseInfo};
 use crate::sql::Statements;
-use crate::store::open::check_own_session;
 
 /// Read-only access to a table without its lease: the lease row, reads and listings, and the
-/// operator's break-glass release. Created by [`Builder::inspect`]. A table that does not exist
+/// operator's break-glass release. Created by [`Builder::inspect`](crate::Builder::inspect). A table that does not exist
 /// yet reads as empty.
 #[derive(Debug)]
 pub struct Inspector {
-    pool: deadpool_postgres::Pool,
+    pool: Pool,
     table: TableName,
     statements: Statements,
     /// For [`Inspector::check_session`]'s own connection when the pool has none to spare.
@@ -26,17 +24,14 @@ pub struct Inspector {
 }
 
 impl Inspector {
-    /// An inspector of `builder`'s table (see [`Builder::inspect`]).
-    pub(crate) fn new(builder: &Builder) -> Result<Inspector> {
-        let table = builder.validate()?;
-        let pool = builder.pool()?;
-        Ok(Inspector {
-            pool,
-            statements: Statements::new(&table),
-            table,
-            config: builder.connection_config(),
-            tls: builder.tls.clone(),
-        })
+    /// An inspector of `builder`'s table (see [`Builder::inspect`](crate::Builder::inspect)).
+    pub(crate) fn new(
+        table: TableName,
+        pool: Pool,
+        config: Option<tokio_postgres::Config>,
+        tls: Tls,
+    ) -> Inspector {
+        Inspector { pool, statements: Statements::new(&table), table, config, tls }
     }
 
     async fn query(
@@ -45,17 +40,17 @@ impl Inspector {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Vec<tokio_postgres::Row>>> {
-        let client = self.pool.get().await.map_err(Error::pool(operation))?;
+        let client = self.pool.get(operation).await?;
         match client.query(sql, params).await {
             Ok(rows) => Ok(Some(rows)),
             Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
-            Err(source) => Err(Error::Database { operation, source }),
+            Err(source) => Err(Error::db(operation)(source).for_role(self.pool.role())),
         }
     }
 
     /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
-        let client = self.pool.get().await.map_err(Error::pool("read lease"))?;
+        let client = self.pool.get("read lease").await?;
         match schema::lease_info(&**client, &self.statements).await {
             Err(Error::Database { source, .. })
                 if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
@@ -105,14 +100,13 @@ impl Inspector {
     }
 
     /// Checks that a connection keeps one server session of its own, as a store needs. This
-    /// is the check [`Builder::open`] makes first; it changes nothing on the server.
+    /// is the check [`Builder::open`](crate::Builder::open) makes first; it changes nothing on the server.
     ///
     /// It fails with [`Error::PoolerModeUnsupported`] when it sees a pooler that hands server
     /// sessions out per transaction (PgBouncer's transaction or statement mode). Passing is
     /// no proof: a busy pooler may hide that mode. A session pooler passes.
     pub async fn check_session(&self) -> Result<()> {
-        let client =
-            self.pool.get().await.map_err(Error::pool("check for a transaction pooler"))?;
+        let client = self.pool.get("check for a transaction pooler").await?;
         check_own_session(&self.pool, self.config.as_ref(), &self.tls, &client).await
     }
 
@@ -129,7 +123,7 @@ impl Inspector {
     pub async fn force_release(&self) -> Result<Option<LeaseInfo>> {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };
-        let client = self.pool.get().await.map_err(Error::pool("force release"))?;
+        let client = self.pool.get("force release").await?;
         let channel = schema::notify_channel(&**client, &self.table)
             .await
             .map_err(Error::db("resolve table schema"))?;

@@ -14,8 +14,7 @@ mod error;
 mod keys;
 mod sql;
 
-// Connections, options, the lease and the schema setup.
-mod config;
+// Connections, libpq's environment, the lease (with its loss policy) and the schema setup.
 mod connect;
 pub mod env;
 mod lease;
@@ -26,33 +25,30 @@ mod exec;
 
 mod write;
 
-// The public API: the store, failover, inspection, and the openers of a `Builder`.
+// Read-only inspection, below the store: it takes a table and a pool, not a builder.
+mod inspect;
+
+// The public API. `store` holds the types that name each other: `PgKvStore`, its `Builder`
+// (options, checks and every opener), the `Standby` and the `blocking` store.
 mod store;
 
-mod inspect;
-mod standby;
-
-mod entry;
-
-pub mod blocking;
 #[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
 pub mod ldk;
 pub mod shutdown;
 
-pub use config::{Builder, LeaseLossPolicy};
 pub use connect::{tls_client_config, tls_client_config_with_cert};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;
-pub use error::{Error, KeyPath, LossReason, Result};
+pub use error::{ConnectStep, Error, KeyPath, LossReason, Result};
 pub use inspect::Inspector;
 pub use keys::{MAX_BATCH_BYTES, MAX_KEY_LEN, check_key};
-pub use lease::LeaseState;
+pub use lease::{LeaseLossPolicy, LeaseState};
 /// The TLS library whose `ClientConfig` `Builder::tls` takes, re-exported so versions always
 /// match.
 pub use rustls;
 pub use schema::LeaseInfo;
-pub use standby::{Standby, StandbyState};
-pub use store::{KvStore, Page, PageToken, PgKvStore};
+pub use store::blocking;
+pub use store::{Builder, KvStore, Page, PageToken, PgKvStore, Standby, StandbyState};
 /// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
 pub use tokio_postgres;
 pub use write::batch::Batch;

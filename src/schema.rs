@@ -279,7 +279,7 @@ async fn create_schema(tx: &mut tokio_postgres::Transaction<'_>, table: &TableNa
             tracing::debug!(table = %table.display(), "pgfence schema created concurrently");
             savepoint.rollback().await.map_err(Error::db("create schema"))
         }
-        Err(source) => Err(Error::Database { operation: "create schema", source }),
+        Err(source) => Err(Error::db("create schema")(source)),
     }
 }
 
@@ -358,7 +358,9 @@ pub(crate) async fn create_database(
     let operation = "connect to create database";
     let connecting = tls.connect(&admin, "create database", None);
     let (client, connection) = match tokio::time::timeout(connect_timeout, connecting).await {
-        Ok(connected) => connected.map_err(Error::db(operation))?,
+        Ok(connected) => {
+            connected.map_err(|e| Error::connect(operation, &crate::connect::servers(&admin), e))?
+        }
         Err(_) => return Err(Error::Timeout { operation, after: connect_timeout }),
     };
     // Database names cannot be bind parameters; quote the identifier (doubling quotes).
@@ -382,6 +384,6 @@ pub(crate) async fn create_database(
         {
             Ok(())
         }
-        Err(source) => Err(Error::Database { operation: "create database", source }),
+        Err(source) => Err(Error::db("create database")(source)),
     }
 }

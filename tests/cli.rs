@@ -1682,6 +1682,7 @@ mod ldk_import {
             .expect(2, "missing directory");
         run(&url, &table, &["import", "--force"], None).expect(2, "--force alone");
     }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Examples

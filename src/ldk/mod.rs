@@ -60,8 +60,8 @@ use bitcoin::io;
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use crate::blocking::{self, owned};
 use crate::error::Result;
+use crate::store::blocking::{self, owned};
 use crate::{Builder, LeaseState, Standby};
 #[cfg(feature = "ldk")]
 use crate::{Page, PageToken};

@@ -13,9 +13,13 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::Lease;
 use crate::clock::clock;
-use crate::connect::Tls;
+use crate::connect::{Tls, servers};
 use crate::error::{Error, LossReason, Result};
 use crate::sql;
+
+/// The target of this module's log events: stable, whatever the module's path (see
+/// docs/design.md, "Logging").
+const LOG: &str = "pgfence::lease";
 
 /// Where the renewal thread gets its connection.
 #[derive(Debug, Clone)]
@@ -24,7 +28,7 @@ pub(crate) enum Connector {
     Config(Box<tokio_postgres::Config>, Tls),
     /// An application-supplied pool: a connection is taken out of it for good (the pool opens
     /// a replacement when it needs one). Its I/O task runs on the runtime that created it.
-    Pool(deadpool_postgres::Pool),
+    Pool(crate::connect::Pool),
 }
 
 enum Conn {
@@ -47,12 +51,14 @@ impl Connector {
         let connecting = async {
             match self {
                 Connector::Config(config, tls) => {
-                    let (client, _) =
-                        tls.connect(config, "renewal", None).await.map_err(Error::db(operation))?;
+                    let (client, _) = tls
+                        .connect(config, "renewal", None)
+                        .await
+                        .map_err(|e| Error::connect(operation, &servers(config), e))?;
                     Ok(Conn::Own(client))
                 }
                 Connector::Pool(pool) => {
-                    let object = pool.get().await.map_err(Error::pool(operation))?;
+                    let object = pool.get(operation).await?;
                     Ok(Conn::Pooled(deadpool_postgres::Object::take(object)))
                 }
             }
@@ -138,7 +144,9 @@ impl Keeper {
         if self.stop.send(reply).is_err() {
             // Not joined: the drop waits for nothing it need not. Logged, as a close() says it.
             let error = self.ended();
-            tracing::error!(%error, "pgfence renewal thread had ended before the drop");
+            tracing::error!(
+                target: LOG,
+                %error, "pgfence renewal thread had ended before the drop");
             return;
         }
         match rx.recv_timeout(timeout) {
@@ -146,12 +154,16 @@ impl Keeper {
                 // Detach: the thread is past its last await and exits on its own.
                 drop(self.thread.take());
             }
-            Ok(Err(e)) => tracing::error!(error = %e, "pgfence lease release failed on drop"),
+            Ok(Err(e)) => tracing::error!(
+                target: LOG,
+                error = %e, "pgfence lease release failed on drop"),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 let error = self.ended();
-                tracing::error!(%error, "pgfence renewal thread ended without releasing on drop");
+                tracing::error!(
+                    target: LOG,
+                    %error, "pgfence renewal thread ended without releasing on drop");
             }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::error!(
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::error!(target: LOG,
                 ?timeout,
                 "pgfence lease release did not finish in time on drop; the lease expires by TTL"
             ),
@@ -174,7 +186,9 @@ impl Keeper {
             Some(reason) => Error::LeaseLost { epoch: lease.epoch, reason },
             None => {
                 let message = "renewal thread panicked before releasing the lease (expires by TTL)";
-                tracing::error!(table = %lease.table, epoch = lease.epoch, "pgfence {message}");
+                tracing::error!(
+                    target: LOG,
+                    table = %lease.table, epoch = lease.epoch, "pgfence {message}");
                 Error::Runtime { source: std::io::Error::other(message) }
             }
         }
@@ -263,7 +277,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
         if lease.is_lost() {
             if released || now >= expiry_bound {
                 if !released {
-                    tracing::error!(table = %lease.table, epoch = lease.epoch,
+                    tracing::error!(target: LOG, table = %lease.table, epoch = lease.epoch,
                         "pgfence lease release kept failing until the lease's database expiry; \
                             stopped trying");
                 }
@@ -285,7 +299,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
             };
             released = result.is_ok();
             if let Err(error) = result {
-                tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                tracing::warn!(target: LOG, table = %lease.table, epoch = lease.epoch, %error,
                     "pgfence lease release failed; retrying about every second until the lease's \
                         database expiry");
             }
@@ -321,7 +335,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                 match outcome {
                     Some(Ok(Ok(Renewal::Extended))) => {
                         lease.confirmed(started);
-                        tracing::trace!(table = %lease.table, epoch = lease.epoch,
+                        tracing::trace!(target: LOG, table = %lease.table, epoch = lease.epoch,
                             "pgfence lease renewed");
                         next_renewal = started + config.renew_interval;
                         continue;
@@ -330,14 +344,16 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                     Some(Ok(Ok(Renewal::NotOurs))) => LossReason::TakenOver,
                     Some(Ok(Err(error))) => {
                         session = None; // Reconnect next time; the old connection may be broken.
-                        tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+                        tracing::warn!(
+                            target: LOG,
+                            table = %lease.table, epoch = lease.epoch, %error,
                             "pgfence lease renewal failed; retrying until the local deadline");
                         next_renewal = clock() + retry_every;
                         continue;
                     }
                     Some(Err(_)) => {
                         session = None;
-                        tracing::warn!(table = %lease.table, epoch = lease.epoch,
+                        tracing::warn!(target: LOG, table = %lease.table, epoch = lease.epoch,
                             timeout = ?config.renew_interval,
                             "pgfence lease renewal timed out; retrying until the local deadline");
                         next_renewal = clock() + retry_every;
@@ -355,7 +371,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
         let result = release_within(&config, &lease, &mut session, quick).await;
         released = result.is_ok();
         if let Err(error) = result {
-            tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
+            tracing::warn!(target: LOG, table = %lease.table, epoch = lease.epoch, %error,
                 "pgfence lease release failed; retrying about every second until the lease's \
                     database expiry");
         }
@@ -371,7 +387,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     match &result {
         Ok(()) => lease.released(),
         Err(error) => {
-            tracing::error!(table = %lease.table, epoch = lease.epoch, %error,
+            tracing::error!(target: LOG, table = %lease.table, epoch = lease.epoch, %error,
                 "pgfence lease release failed; the lease expires by TTL");
             lease.abandoned();
         }
@@ -476,7 +492,7 @@ async fn release(
         .await
         .map_err(Error::db("release lease"))?;
     if rows.is_empty() {
-        tracing::debug!(table = %lease.table, epoch = lease.epoch,
+        tracing::debug!(target: LOG, table = %lease.table, epoch = lease.epoch,
             "pgfence lease was no longer ours or already expired at release");
     }
     Ok(())
@@ -487,7 +503,7 @@ mod tests {
     use super::*;
     use uuid::Uuid;
 
-    use crate::config::LeaseLossPolicy;
+    use crate::lease::LeaseLossPolicy;
     use crate::lease::LeaseState;
     use crate::lease::tests::{lease, published};
 

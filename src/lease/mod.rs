@@ -5,8 +5,10 @@
 //! the lease and releases it is in [`keeper`].
 
 mod keeper;
+mod policy;
 
 pub(crate) use keeper::{Connector, Keeper, KeeperConfig};
+pub use policy::LeaseLossPolicy;
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -15,7 +17,6 @@ use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::clock::clock;
-use crate::config::LeaseLossPolicy;
 use crate::error::{Error, LossReason, Result};
 
 /// What a store knows of its lease, published on [`crate::PgKvStore::lease_state`].

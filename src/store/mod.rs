@@ -2,8 +2,18 @@
 //!
 //! Each method checks its input first. It then hands over to the write path ([`crate::write`])
 //! or straight to the statement executor ([`crate::exec`]). The open sequence is in [`open`].
+//!
+//! The types that name the store and each other live here too: the [`Builder`] with its
+//! openers, the [`Standby`] and the [`blocking`] store. Nothing below this module uses them.
 
+pub mod blocking;
+mod builder;
 pub(crate) mod open;
+mod standby;
+
+pub use builder::Builder;
+pub(crate) use builder::Source;
+pub use standby::{Standby, StandbyState};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,7 +23,6 @@ use tokio::sync::watch;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::config::{Builder, Source};
 use crate::error::{Error, Result};
 use crate::exec::{Executor, admitted, value_or_not_found};
 use crate::keys::{check_key, check_namespaces};
@@ -358,7 +367,7 @@ impl PgKvStore {
     /// database whatever this store's state, so after a loss it shows the new holder. After
     /// `close()` it needs a pool that is still open. The store closes a pool it built itself.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
-        let client = self.exec.pool.get().await.map_err(Error::pool("read lease"))?;
+        let client = self.exec.pool.get("read lease").await?;
         schema::lease_info(&**client, &self.exec.statements).await
     }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deadpool_postgres::{Pool, PoolError};
+use deadpool_postgres::PoolError;
 use tokio::sync::{RwLock, oneshot};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -15,7 +15,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::PgKvStore;
-use crate::config::{Builder, Source, host_name};
+use super::builder::{Builder, Source};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::exec::{Backend, Checkout, Executor, detached, discard, identify};
@@ -24,6 +24,10 @@ use crate::lease::{Connector, Keeper, KeeperConfig, Lease};
 use crate::schema::{self, Holder, SetupFailed};
 use crate::sql::{self, Statements};
 use crate::write::Writes;
+
+/// The target of this module's log events: stable, whatever the module's path (see
+/// docs/design.md, "Logging").
+const LOG: &str = "pgfence::open";
 
 /// [`Builder::open`]: the store, or [`Error::Closed`] if the opening was given up.
 pub(crate) async fn open(builder: Builder) -> Result<PgKvStore> {
@@ -35,6 +39,8 @@ pub(crate) async fn open_until(
     stop: impl Future<Output = ()>,
 ) -> Result<Option<PgKvStore>> {
     let table = builder.validate()?;
+    // For the `GRANT` of a permission error; unknown for a pool passed in.
+    let role = builder.connection_config().and_then(|c| c.get_user().map(str::to_owned));
     // Dropped when the caller gives up: tells the task that nobody waits for the store.
     let (caller, gone) = oneshot::channel::<()>();
     let opening = open_here(builder, table, gone).instrument(tracing::Span::current());
@@ -42,17 +48,19 @@ pub(crate) async fn open_until(
     tokio::pin!(opening);
     tokio::select! {
         biased;
-        opened = &mut opening => opened.map(Some),
+        opened = &mut opening => opened.map(Some).map_err(|e| e.for_role(role.as_deref())),
         () = stop => {
             drop(caller);
             match opening.await {
                 Ok(store) => {
                     if let Err(e) = store.close().await {
-                        tracing::warn!(error = %e, "pgfence open stopped after its commit; \
+                        tracing::warn!(
+                            target: LOG,
+                            error = %e, "pgfence open stopped after its commit; \
                             releasing failed");
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, "pgfence open stopped"),
+                Err(e) => tracing::debug!(target: LOG, error = %e, "pgfence open stopped"),
             }
             Ok(None)
         }
@@ -72,7 +80,7 @@ async fn open_here(
             let config = builder.connection_config().expect("a config source");
             (Connector::Config(Box::new(config.clone()), builder.tls.clone()), Some(config))
         }
-        Source::Pool(pool) => (Connector::Pool(pool.clone()), None),
+        Source::Pool(_) => (Connector::Pool(pool.clone()), None),
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
     };
 
@@ -95,7 +103,7 @@ async fn open_here(
     let checks = async {
         // First: the checks below and the setup use prepared statements, and ending a
         // session by pid is only safe with a session of our own.
-        check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
+        connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
         if let Source::Pool(_) = &builder.source {
             check_pool_isolation(&client).await?;
         }
@@ -136,7 +144,7 @@ async fn open_here(
                 let release =
                     release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
                 if tokio::time::timeout(builder.connect_timeout, release).await.is_err() {
-                    tracing::warn!(table = %table.display(),
+                    tracing::warn!(target: LOG, table = %table.display(),
                         "pgfence could not release a lease whose setup commit went unanswered in \
                             time; it expires by its TTL");
                 }
@@ -144,7 +152,7 @@ async fn open_here(
             return Err(error);
         }
     };
-    tracing::info!(table = %table.display(), epoch = acquired.epoch,
+    tracing::info!(target: LOG, table = %table.display(), epoch = acquired.epoch,
         owner_id = %acquired.owner_id, "pgfence lease acquired");
 
     let lease = Arc::new(Lease::new(
@@ -178,11 +186,13 @@ async fn open_here(
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
                 Some(Err(release)) => {
-                    tracing::error!(error = %release, "pgfence could not release after a failed \
+                    tracing::error!(
+                        target: LOG,
+                        error = %release, "pgfence could not release after a failed \
                         start");
                 }
                 None => {
-                    tracing::error!(table = %table.display(),
+                    tracing::error!(target: LOG, table = %table.display(),
                         "pgfence gave up releasing after a failed start; the lease expires by its \
                             TTL");
                     discard(client);
@@ -209,15 +219,19 @@ async fn open_here(
     match answered_in_time(&mut caller, builder.lease_ttl, analyzing).await {
         Some(Ok(())) => drop(client), // Back to the pool.
         Some(Err(e)) => {
-            tracing::warn!(error = %e, "pgfence could not check or gather table statistics");
+            tracing::warn!(
+                target: LOG,
+                error = %e, "pgfence could not check or gather table statistics");
         }
         None => {
-            tracing::warn!(table = %table.display(),
+            tracing::warn!(target: LOG, table = %table.display(),
                 "pgfence gave up gathering table statistics (held up, or open() abandoned)");
             if let Err(e) =
                 builder.tls.cancel(&client.cancel_token(), builder.connect_timeout).await
             {
-                tracing::warn!(error = %e, "pgfence could not cancel gathering statistics");
+                tracing::warn!(
+                    target: LOG,
+                    error = %e, "pgfence could not cancel gathering statistics");
             }
             discard(client);
         }
@@ -266,86 +280,23 @@ async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
     ))
 }
 
-/// Refuses a connection through a pooler that hands server sessions out per transaction
-/// (PgBouncer's transaction or statement mode). The store relies on a session of its own. Its
-/// prepared statements live in it. A write whose outcome is unknown is settled by ending
-/// that session's server process by pid. Behind such a pooler that process may serve another
-/// client.
-///
-/// Only session state can tell, and setting any would leak into the pooler's shared server
-/// sessions. So this compares server process ids, which change nothing (simple protocol: no
-/// prepared statement either). `client` asks for its pid `p`; a second connection of the pool
-/// asks for its own; then `client` asks again. Directly or through a session pooler, `client`
-/// keeps server process `p` for as long as it is connected. So no other connection can be
-/// served by `p`, and `client` never sees another pid. Either observation is therefore proof of
-/// a per-transaction pooler. Not seeing one is no proof of the contrary: another client may have
-/// taken `p` in between. PgBouncer reuses its most recently freed server first, so on a pooler
-/// that is not busy the second connection gets `p`.
-pub(crate) async fn check_own_session(
-    pool: &Pool,
-    config: Option<&tokio_postgres::Config>,
-    tls: &connect::Tls,
-    client: &tokio_postgres::Client,
-) -> Result<()> {
-    let operation = "check for a transaction pooler";
-    let first = backend_pid(client).await.map_err(Error::db(operation))?;
-    // A spare connection of the pool, else (pool size 1) one of its own if the store has the
-    // configuration. Never a wait for the pool: a caller's pool of one would wait for
-    // `client`, which it never gets back.
-    let status = pool.status();
-    let other = if status.available > 0 || status.size < status.max_size {
-        let other = pool.get().await.map_err(Error::pool(operation))?;
-        let pid = backend_pid(&other).await.map_err(Error::db(operation))?;
-        // Closed now, not kept in the pool. A partition during the setup that follows would
-        // leave this idle session on the server for hours: the server ends only sessions idle
-        // in a transaction, and it hears of a vanished client only through keepalives.
-        drop(deadpool_postgres::Object::take(other));
-        Some(pid)
-    } else if let Some(config) = config {
-        let (other, _task) =
-            tls.connect(config, "pooler check", None).await.map_err(Error::db(operation))?;
-        Some(backend_pid(&other).await.map_err(Error::db(operation))?)
-    } else {
-        None
-    };
-    let again = backend_pid(client).await.map_err(Error::db(operation))?;
-    if other == Some(first) || again != first {
-        return Err(Error::PoolerModeUnsupported { pool_mode: "transaction" });
-    }
-    Ok(())
-}
-
-/// `pg_backend_pid()` over the simple query protocol (see `sql::BACKEND_PID`).
-async fn backend_pid(
-    client: &tokio_postgres::Client,
-) -> std::result::Result<i32, tokio_postgres::Error> {
-    let messages = client.simple_query(sql::BACKEND_PID).await?;
-    let pid = messages.iter().find_map(|message| match message {
-        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).and_then(|pid| pid.parse().ok()),
-        _ => None,
-    });
-    // PostgreSQL always answers with one integer; 0 never names a process.
-    Ok(pid.unwrap_or(0))
-}
-
 /// A connection of the pool, creating the database first if it does not exist (and the role
 /// may; only with a connection config, `config`).
 async fn connect(
-    pool: &Pool,
+    pool: &connect::Pool,
     config: Option<&tokio_postgres::Config>,
     tls: &connect::Tls,
     connect_timeout: Duration,
 ) -> Result<deadpool_postgres::Object> {
-    match pool.get().await {
+    match pool.raw().get().await {
         Err(PoolError::Backend(e)) if e.code() == Some(&SqlState::INVALID_CATALOG_NAME) => {
             let Some(config) = config else {
-                let source = Box::new(PoolError::Backend(e));
-                return Err(Error::Pool { operation: "connect", source });
+                return Err(pool.error("connect", PoolError::Backend(e)));
             };
             schema::create_database(config, tls, connect_timeout).await?;
-            pool.get().await.map_err(Error::pool("connect"))
+            pool.get("connect").await
         }
-        other => other.map_err(Error::pool("connect")),
+        other => other.map_err(|e| pool.error("connect", e)),
     }
 }
 
@@ -391,7 +342,7 @@ fn is_abandoned(caller: &mut oneshot::Receiver<()>) -> bool {
 /// the lease by the setup's owner id, which matches nothing if the commit did not happen. This
 /// is best effort: the lease expires by its TTL otherwise.
 async fn release_unanswered_setup(
-    pool: &Pool,
+    pool: &connect::Pool,
     table: &TableName,
     statements: &Statements,
     backend: &Backend,
@@ -401,7 +352,7 @@ async fn release_unanswered_setup(
     let attempt = async {
         // Closed, not handed back, if this attempt is given up with a statement unanswered
         // (the caller's timeout): the pool may be the application's own.
-        let client = Checkout::new(pool.get().await.map_err(Error::pool(operation))?);
+        let client = Checkout::new(pool.get(operation).await?);
         let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
         let released = async {
             client.query(sql::TERMINATE_BACKEND, &params).await?;
@@ -417,13 +368,26 @@ async fn release_unanswered_setup(
     };
     match attempt.await {
         Ok(rows) if rows.is_empty() => {
-            tracing::debug!(table = %table.display(), "pgfence unanswered setup commit took no \
+            tracing::debug!(
+                target: LOG,
+                table = %table.display(), "pgfence unanswered setup commit took no \
                 lease");
         }
-        Ok(_) => tracing::warn!(table = %table.display(), %owner_id,
+        Ok(_) => tracing::warn!(target: LOG, table = %table.display(), %owner_id,
             "pgfence released the lease of a setup whose commit went unanswered"),
-        Err(e) => tracing::warn!(table = %table.display(), error = %e,
+        Err(e) => tracing::warn!(target: LOG, table = %table.display(), error = %e,
             "pgfence could not release the lease of a setup whose commit went unanswered; it \
                 expires by its TTL"),
     }
+}
+
+/// The host name for the lease row, best effort (it is only shown to operators).
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_owned())
 }

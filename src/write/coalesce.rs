@@ -41,6 +41,10 @@ use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::exec::Executor;
 use crate::lease::Lease;
 
+/// The target of this module's log events: stable, whatever the module's path (see
+/// docs/design.md, "Logging").
+const LOG: &str = "pgfence::write";
+
 /// The most mutations one shared statement carries.
 const MAX_GROUP: usize = 1000;
 /// The most value bytes one shared statement carries (unless its first value alone is larger).
@@ -200,10 +204,12 @@ impl Coalescer {
             return;
         }
         group.sort_by(|a, b| sort_key(&a.path).cmp(&sort_key(&b.path)));
-        tracing::debug!(mutations = group.len(), "pgfence coalesced mutations into one statement");
+        tracing::debug!(
+            target: LOG,
+            mutations = group.len(), "pgfence coalesced mutations into one statement");
         let result = apply_fenced(exec, group.iter().map(|q| (&q.path, &q.mutation))).await;
         if let Err(e) = &result {
-            tracing::warn!(error = %e, mutations = group.len(),
+            tracing::warn!(target: LOG, error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");
         }
         // A lost lease is not run again either: each caller gets the same loss. Its statement
@@ -290,7 +296,9 @@ impl Drop for Waiting<'_> {
         if self.carrying_own && !self.lease.dropped_unknown() {
             return;
         }
-        tracing::error!("pgfence mutation dropped while a shared statement may still run it");
+        tracing::error!(
+            target: LOG,
+            "pgfence mutation dropped while a shared statement may still run it");
         self.lease.lose_unreported(LossReason::WriteOutcomeUnknown);
     }
 }

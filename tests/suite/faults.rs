@@ -499,9 +499,14 @@ async fn a_session_that_hangs_after_its_startup_fails_open_in_time() {
         .connect_timeout(Duration::from_secs(1))
         .open();
     let e = within("open() on a hung session", opening).await.unwrap_err();
+    // The new connection's setup timed out: the connect step, naming the proxy's address.
+    let timed_out = |source: &(dyn std::error::Error + 'static)| {
+        source.downcast_ref::<std::io::Error>().map(std::io::Error::kind)
+            == Some(std::io::ErrorKind::TimedOut)
+    };
     assert!(
-        matches!(&e, Error::Pool { source, .. }
-            if matches!(**source, pgfence::deadpool_postgres::PoolError::PostCreateHook(_))),
+        matches!(&e, Error::Connect { step: pgfence::ConnectStep::Connect, server, source, .. }
+            if *server == proxy.addr().to_string() && timed_out(&**source)),
         "{e:?}"
     );
     assert!(e.is_retryable(), "{e:?}");

@@ -6,7 +6,7 @@ use std::io::ErrorKind;
 use std::time::Duration;
 
 use common::{admin, builder, table};
-use pgfence::{Error, PgKvStore};
+use pgfence::{ConnectStep, Error, PgKvStore};
 use pgfence_testing::{PASSWORD_ROLE, PASSWORD_ROLE_PASSWORD};
 
 /// Tables whose name starts with `prefix` (other tests create tables concurrently, so only a
@@ -151,7 +151,7 @@ async fn unreachable_host_is_a_typed_error() {
         .open()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    assert!(matches!(e, Error::Connect { step: ConnectStep::Connect, .. }), "{e:?}");
     assert!(e.is_retryable(), "a refused connection may work later");
 }
 
@@ -164,7 +164,7 @@ async fn wrong_password_is_a_typed_error_that_never_shows_the_password() {
     let b = PgKvStore::builder(&url).table(table("pw"));
     assert!(!format!("{b:?}").contains(secret), "Debug of the builder hides the password");
     let e = b.open().await.unwrap_err();
-    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    assert!(matches!(e, Error::Connect { step: ConnectStep::Authentication, .. }), "{e:?}");
     assert!(!e.is_retryable(), "a wrong password will not fix itself");
     let shown = format!(
         "{e} {e:?} {}",

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use common::{HANG_GUARD, table, table_exists, within};
 use pgfence::{
-    Error, LeaseState, PgKvStore, StandbyState, tls_client_config, tls_client_config_with_cert,
+    ConnectStep, Error, LeaseState, PgKvStore, StandbyState, tls_client_config,
+    tls_client_config_with_cert,
 };
 use pgfence_testing::{CERT_ROLE, Proxy, TestCluster, unique_name};
 
@@ -96,7 +97,7 @@ async fn server_certificate_from_an_untrusted_authority_is_refused() {
         .open()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Pool { .. }), "{e:?}");
+    assert!(matches!(e, Error::Connect { step: ConnectStep::Tls, .. }), "{e:?}");
     let chain = format!("{:?}", std::error::Error::source(&e));
     assert!(chain.contains("UnknownIssuer"), "a certificate error: {chain}");
     assert!(!e.is_retryable(), "no retry mends a certificate");
@@ -104,7 +105,8 @@ async fn server_certificate_from_an_untrusted_authority_is_refused() {
     let standby =
         PgKvStore::builder_from_config(cluster.config()).tls(untrusting).table(&t).standby();
     let e = within("the standby gives up", standby.open()).await.unwrap_err();
-    assert!(matches!(e, Error::Pool { .. }) && !e.is_retryable(), "{e:?}");
+    assert!(matches!(e, Error::Connect { step: ConnectStep::Tls, .. }), "{e:?}");
+    assert!(!e.is_retryable(), "{e:?}");
     let admin = cluster.connect().await.unwrap();
     assert!(!table_exists(&admin, &t).await, "nothing was created");
 }

@@ -39,45 +39,19 @@ impl From<Error> for Exit {
             | Error::BatchTooLarge { .. } => 2,
             _ => 1,
         };
+        // The library's text names the server and the failed step of a connection. It names
+        // the privilege and the `GRANT` of a permission error.
         let mut message = chain(&e);
-        if let Some(hint) = grant_hint(&e) {
-            message.push_str(&format!(" (fix: {hint})"));
+        if let (Error::PermissionDenied { .. }, Some(role)) = (&e, ROLE.get()) {
+            message = message.replace("<role>", role);
         }
         Exit { code, message }
     }
 }
 
-/// The role the command connects as, for the `GRANT` a permission error needs.
+/// The role the command connects as. The library names it in the `GRANT` of a permission
+/// error when it knows it; this fills in the `<role>` it writes otherwise.
 pub(crate) static ROLE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-/// For a permission error (SQLSTATE 42501) anywhere in the chain of `error`: the statement an
-/// administrator runs to fix it, from the server's message.
-fn grant_hint(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    let mut source = Some(error);
-    let db = std::iter::from_fn(|| {
-        let current = source?;
-        source = current.source();
-        Some(current)
-    })
-    .find_map(|e| e.downcast_ref::<tokio_postgres::Error>()?.as_db_error())?;
-    if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {
-        return None;
-    }
-    let role = ROLE.get().map_or("<role>", String::as_str);
-    let message = db.message();
-    let object = |prefix: &str| message.strip_prefix(prefix).map(str::to_owned);
-    Some(if let Some(schema) = object("permission denied for schema ") {
-        format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}")
-    } else if let Some(table) = object("permission denied for table ") {
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}")
-    } else if let Some(database) = object("permission denied for database ") {
-        format!("GRANT CREATE ON DATABASE {database} TO {role}")
-    } else if message.starts_with("permission denied to create database") {
-        format!("ALTER ROLE {role} CREATEDB, or create the database as an administrator")
-    } else {
-        "run `pgfence doctor`, which names the privileges the role lacks".to_owned()
-    })
-}
 
 /// The error and its sources on one line. tokio-postgres already shows its cause in its own
 /// message. So a source whose text is already there is not repeated.

@@ -65,7 +65,8 @@ impl tracing::field::Visit for EventText {
     }
 }
 
-/// The standby's warnings (every `pgfence::standby` warning).
+/// The standby's warnings: every warning with the documented target `pgfence::standby`
+/// (docs/design.md, "Logging").
 fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
     event.target() == "pgfence::standby" && *event.level() == tracing::Level::WARN
 }
@@ -73,15 +74,13 @@ fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
 /// The library's events that the CLI reports itself; otherwise both would say the same thing.
 /// They are the lease loss (the `lost` event and the exit-5 error line), and an operator's
 /// force release (the `release` command's own output). They also include the standby's
-/// warnings (see [`StandbyTrouble`]). Recognised by level, module and a field only they have,
-/// as the library gives its events no stable names.
+/// warnings (see [`StandbyTrouble`]). Recognised by their documented targets (docs/design.md,
+/// "Logging"), level, and for the loss a field only it has.
 fn reported_by_the_cli(event: &tracing::Metadata<'_>) -> bool {
     let has = |field: &str| event.fields().field(field).is_some();
-    // Targets are module paths: the lease's events come from its submodules.
-    let target = event.target();
-    if target == "pgfence::lease" || target.starts_with("pgfence::lease::") {
-        return *event.level() == tracing::Level::ERROR && has("reason");
+    match event.target() {
+        "pgfence::lease" => *event.level() == tracing::Level::ERROR && has("reason"),
+        "pgfence::standby" | "pgfence::inspect" => *event.level() == tracing::Level::WARN,
+        _ => false,
     }
-    matches!(target, "pgfence::standby" | "pgfence::inspect")
-        && *event.level() == tracing::Level::WARN
 }

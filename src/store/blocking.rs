@@ -93,7 +93,7 @@ impl PgKvStore {
     /// stall while a blocking call holds that runtime's thread. On a current-thread runtime
     /// that is a deadlock.
     pub fn open(builder: Builder) -> Result<PgKvStore> {
-        PgKvStore::open_with(crate::store::open::open(builder))
+        PgKvStore::open_with(super::open::open(builder))
     }
 
     /// Waits as a standby until the lease can be taken, then opens the store (see

@@ -1,46 +1,25 @@
-//! Builder and options: the table, the lease timings, the pool and the loss policy.
+//! The builder: every option of a store, its checks, and the openers that turn it into a store,
+//! a standby, an inspector or a blocking store.
+//!
+//! It lives with the store because the two name each other: [`PgKvStore::builder`] returns a
+//! [`Builder`], and [`Builder::open`] returns a [`PgKvStore`]. The same holds for [`Standby`] and
+//! the [`blocking`] store, so all of them share this module and nothing below depends on it.
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use deadpool_postgres::{Pool, Runtime};
 use tokio_postgres::config::{Host, SslMode};
 
+use super::blocking;
+use super::standby::Standby;
+use super::{PgKvStore, open};
 use crate::connect::{self, Tls};
 use crate::error::{Error, Result};
+use crate::inspect::Inspector;
 use crate::keys::{MAX_BATCH_BYTES, TableName};
-
-/// What a store does, besides failing closed, when it finds its lease lost.
-///
-/// Whatever the policy, the store fails closed: every later operation returns
-/// [`Error::LeaseLost`] and [`crate::PgKvStore::lease_state`] reports
-/// [`crate::LeaseState::Lost`]. The policy only decides how loudly.
-///
-/// A store that released its lease with `close()` has lost nothing, and no policy applies. A
-/// write still running then may yet get [`Error::LeaseLost`] with
-/// [`crate::LossReason::WriteOutcomeUnknown`], without a panic or an abort. Its statement may
-/// have committed: read the key back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum LeaseLossPolicy {
-    /// Return [`Error::LeaseLost`] and report the loss on `lease_state`; the application
-    /// decides what to do. The default.
-    #[default]
-    FailClosed,
-    /// Also panic, in the task that called the operation that found the loss. When renewal
-    /// found it, the renewal thread panics, after one attempt to release the lease. A panic
-    /// on the renewal thread stops the process only when it is built with `panic = "abort"`.
-    /// Otherwise that thread ends, and [`crate::PgKvStore::close`] returns
-    /// [`Error::LeaseLost`]. The release is then not retried, as `FailClosed` would. A loss found
-    /// where no caller can be told (a write's task dropped mid-statement when its runtime shut
-    /// down) panics in the next operation.
-    Panic,
-    /// Log at error level, then `std::process::abort()`: nothing of the process runs on. This
-    /// includes a loss found when a write's task is dropped mid-statement. So shutting down a
-    /// runtime while a write runs on it aborts the process, since that write's outcome is
-    /// unknown. Await or close the store's writes before shutting a runtime down.
-    Abort,
-}
+use crate::lease::LeaseLossPolicy;
 
 /// Where the store's connections come from.
 #[derive(Clone)]
@@ -285,6 +264,89 @@ impl Builder {
         self
     }
 
+    /// Checks the options, connects, creates or migrates the schema and takes the lease, all in
+    /// one transaction. Fails with [`Error::LeaseHeld`](crate::Error::LeaseHeld) (and changes
+    /// nothing) while another live store holds the lease. Creates the database if it does not
+    /// exist and the role may.
+    ///
+    /// As its last step, `open()` gathers planner statistics (`ANALYZE`) for a table that never
+    /// had them. This is best effort. If a lock or a silent server holds it up for more than
+    /// one TTL, the store is returned without them.
+    ///
+    /// # Cancellation
+    ///
+    /// Dropping the returned future cancels a setup that is still waiting. It may wait for the
+    /// setup lock of a concurrent `open()`, at the fence for the old holder's in-flight writes,
+    /// or for a silent server. Nothing is committed then, and the lease is never taken later.
+    ///
+    /// - If the commit was sent and not yet answered, that setup's server process is ended.
+    ///   The lease is then released by its owner id, in case the commit took it.
+    /// - That release is given up after `connect_timeout`; the lease then expires by its TTL.
+    /// - A store already opened (gathering statistics) is closed, which releases the lease.
+    /// - A connection left waiting for an answer is closed, never handed back to a pool.
+    ///
+    /// That cancellation runs on in the background, on the current runtime. To give up and
+    /// know it is done, before the runtime shuts down say, use [`Builder::open_until`].
+    ///
+    /// A silent server is one that stopped answering with its connection still up. See
+    /// [A server that stops answering](https://github.com/pgfence/pgfence/blob/main/docs/design.md#a-server-that-stops-answering)
+    /// in docs/design.md.
+    pub async fn open(self) -> Result<PgKvStore> {
+        open::open(self).await
+    }
+
+    /// [`Builder::open`], given up when `stop` completes first.
+    ///
+    /// `stop` is, for example, a signal, a shutdown channel or a timer. Giving up does what
+    /// dropping the `open()` future does (see [`Builder::open`], "Cancellation"):
+    ///
+    /// - A setup still waiting is cancelled: nothing is committed, and the lease is never
+    ///   taken later.
+    /// - A commit sent and unanswered is ended, and its lease released.
+    /// - A store already opened is closed.
+    ///
+    /// It returns `Ok(None)` only once all that is done, and the server has received the cancel
+    /// request. The server acts on that request at once. Nothing of this opening is left
+    /// running on the runtime or waiting on the server. So the runtime may shut down right
+    /// after, at process exit say.
+    ///
+    /// It returns as promptly from a server that stopped answering:
+    ///
+    /// - The connection waiting for it is closed and its task aborted. If the server ever
+    ///   answers again, it rolls back what was not committed.
+    /// - A cancel request that cannot be delivered is given up after `connect_timeout`. Over
+    ///   TLS, delivering it needs the server's answer.
+    /// - So is the release of a commit that gets no answer. If that commit took the lease, the
+    ///   lease then expires by its TTL.
+    /// - Closing a store already opened waits up to `drop_timeout` for its release, as
+    ///   [`PgKvStore::close`] does.
+    pub async fn open_until(self, stop: impl Future<Output = ()>) -> Result<Option<PgKvStore>> {
+        open::open_until(self, stop).await
+    }
+
+    /// A standby for this configuration: see [`Standby`].
+    pub fn standby(self) -> Standby {
+        Standby::new(self)
+    }
+
+    /// Waits, without limit, until the lease can be taken, then opens the store. Shorthand for
+    /// `self.standby().open()`; use [`Builder::standby`] for a timeout or progress reports.
+    pub async fn open_when_available(self) -> Result<PgKvStore> {
+        self.standby().open().await
+    }
+
+    /// Read-only access to the table without taking the lease, for operators and tools.
+    pub async fn inspect(self) -> Result<Inspector> {
+        let table = self.validate()?;
+        Ok(Inspector::new(table, self.pool()?, self.connection_config(), self.tls.clone()))
+    }
+
+    /// Opens a [`blocking::PgKvStore`]: the same as [`blocking::PgKvStore::open`] with this
+    /// builder.
+    pub fn open_blocking(self) -> Result<blocking::PgKvStore> {
+        blocking::PgKvStore::open(self)
+    }
+
     /// The connection configuration every connection of the store uses. Where the caller set
     /// nothing, it has pgfence's defaults:
     /// - The connect timeout.
@@ -341,28 +403,29 @@ impl Builder {
         self.renew_interval.unwrap_or(self.deadline() / 2)
     }
 
-    /// Checks every option; returns the parsed table name.
     /// The pool the store's operations use: built from the configuration (fast recycling:
     /// a broken connection is noticed on use and retried), or the one supplied.
-    pub(crate) fn pool(&self) -> Result<Pool> {
+    pub(crate) fn pool(&self) -> Result<connect::Pool> {
         let config = match &self.source {
             Source::Config(_) => self.connection_config().expect("a config source"),
-            Source::Pool(pool) => return Ok(pool.clone()),
+            Source::Pool(pool) => return Ok(connect::Pool::new(pool.clone(), None)),
             Source::Invalid(reason) => {
                 return Err(Error::config("connection string", reason.clone()));
             }
         };
-        let manager = self.tls.manager(config);
-        Pool::builder(manager)
+        let manager = self.tls.manager(config.clone());
+        let pool = Pool::builder(manager)
             .post_create(connect::read_committed(self.connect_timeout))
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(self.connect_timeout))
             .recycle_timeout(Some(self.connect_timeout))
             .build()
-            .map_err(|e| Error::config("pool", e.to_string()))
+            .map_err(|e| Error::config("pool", e.to_string()))?;
+        Ok(connect::Pool::new(pool, Some(&config)))
     }
 
+    /// Checks every option; returns the parsed table name.
     pub(crate) fn validate(&self) -> Result<TableName> {
         if let Source::Invalid(reason) = &self.source {
             return Err(Error::config("connection string", reason.clone()));
@@ -486,17 +549,6 @@ fn default_application_name() -> String {
             std::path::Path::new(&arg0).file_name().map(|n| n.to_string_lossy().into_owned())
         })
         .unwrap_or_else(|| "pgfence".to_owned())
-}
-
-/// The host name for the lease row, best effort (it is only shown to operators).
-pub(crate) fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .map(|s| s.trim().to_owned())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".to_owned())
 }
 
 #[cfg(test)]

@@ -6,11 +6,16 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use crate::config::Builder;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
 use crate::schema;
-use crate::store::{self, PgKvStore};
+
+use super::builder::Builder;
+use super::{PgKvStore, open};
+
+/// The target of this module's log events: stable, whatever the module's path (see
+/// docs/design.md, "Logging").
+const LOG: &str = "pgfence::standby";
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it. It bounds the
 /// takeover delay when notifications are unavailable: LISTEN connection down, or a pool source.
@@ -137,7 +142,7 @@ impl Standby {
                     () = &mut stop => return Ok(None),
                 };
             }
-            let wait = match store::open::open_until(self.builder.clone(), &mut stop).await {
+            let wait = match open::open_until(self.builder.clone(), &mut stop).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(store)) => {
                     self.progress
@@ -145,12 +150,14 @@ impl Standby {
                     return Ok(Some(store));
                 }
                 Err(Error::LeaseHeld { holder, epoch, expires_in, .. }) => {
-                    tracing::debug!(%holder, epoch, ?expires_in, "pgfence standby waiting");
+                    tracing::debug!(
+                        target: LOG,
+                        %holder, epoch, ?expires_in, "pgfence standby waiting");
                     self.progress.send_replace(StandbyState::Waiting { holder, epoch, expires_in });
                     expires_in + EXPIRY_MARGIN
                 }
                 Err(e) if e.is_retryable() => {
-                    tracing::warn!(error = %e, "pgfence standby retrying");
+                    tracing::warn!(target: LOG, error = %e, "pgfence standby retrying");
                     MAX_POLL
                 }
                 Err(e) => return Err(e),
@@ -208,11 +215,15 @@ impl Listener {
         match tokio::time::timeout(builder.connect_timeout, connecting).await {
             Ok(Ok(listener)) => Some(listener),
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "pgfence standby cannot LISTEN; polling instead");
+                tracing::warn!(
+                    target: LOG,
+                    error = %e, "pgfence standby cannot LISTEN; polling instead");
                 None
             }
             Err(_) => {
-                tracing::warn!("pgfence standby LISTEN connection timed out; polling instead");
+                tracing::warn!(
+                    target: LOG,
+                    "pgfence standby LISTEN connection timed out; polling instead");
                 None
             }
         }
@@ -242,7 +253,9 @@ impl Listener {
             let answered =
                 tokio::time::timeout(check_timeout, self.client.simple_query("SELECT 1"));
             if !matches!(answered.await, Ok(Ok(_))) {
-                tracing::warn!("pgfence standby LISTEN connection stopped answering; reconnecting");
+                tracing::warn!(
+                    target: LOG,
+                    "pgfence standby LISTEN connection stopped answering; reconnecting");
                 self.broken = true;
                 self.task.abort();
                 break;
