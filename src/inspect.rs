@@ -1,6 +1,10 @@
 //! Read-only inspection for operators: the lease row, reads and listings without the lease,
 //! and the break-glass release.
 
+use std::pin::Pin;
+
+use futures_util::StreamExt;
+use tokio_postgres::RowStream;
 use tokio_postgres::error::SqlState;
 
 use crate::connect::{Pool, Tls, check_own_session};
@@ -99,6 +103,22 @@ impl Inspector {
             .collect())
     }
 
+    /// Every entry with its value, in the order of [`Inspector::list_all_keys`], read as they
+    /// arrive. It is one statement, so one consistent snapshot of the table. Memory stays
+    /// bounded whatever the table's size: the driver reads the next rows from the socket only
+    /// as [`Entries::next`] takes them. The entries hold one pooled connection until dropped.
+    pub async fn entries(&self) -> Result<Entries> {
+        let operation = "read entries";
+        let client = self.pool.get(operation).await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 0] = [];
+        let rows = match client.query_raw(self.statements.entries.as_str(), params).await {
+            Ok(rows) => Some(Box::pin(rows)),
+            Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => None,
+            Err(source) => return Err(Error::db(operation)(source).for_role(self.pool.role())),
+        };
+        Ok(Entries { rows, _client: client, role: self.pool.role().map(str::to_owned) })
+    }
+
     /// Checks that a connection keeps one server session of its own, as a store needs. This
     /// is the check [`Builder::open`](crate::Builder::open) makes first; it changes nothing on the server.
     ///
@@ -142,5 +162,34 @@ impl Inspector {
         tracing::warn!(table = %self.table.display(), epoch = held.epoch, holder = %held.holder,
             "pgfence lease force-released by an operator");
         Ok(Some(held))
+    }
+}
+
+/// One entry of [`Inspector::entries`]: `(primary_namespace, secondary_namespace, key, value)`.
+pub type Entry = (String, String, String, Vec<u8>);
+
+/// The entries of a table as [`Inspector::entries`] reads them.
+pub struct Entries {
+    /// `None` for a table that does not exist yet: no entries.
+    rows: Option<Pin<Box<RowStream>>>,
+    /// The connection the rows arrive on, back to the pool when dropped.
+    _client: deadpool_postgres::Object,
+    role: Option<String>,
+}
+
+impl Entries {
+    /// The next entry, or `None` after the last.
+    pub async fn next(&mut self) -> Option<Result<Entry>> {
+        let row = self.rows.as_mut()?.next().await?;
+        Some(match row {
+            Ok(row) => Ok((row.get(0), row.get(1), row.get(2), row.get(3))),
+            Err(source) => Err(Error::db("read entries")(source).for_role(self.role.as_deref())),
+        })
+    }
+}
+
+impl std::fmt::Debug for Entries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entries").finish_non_exhaustive()
     }
 }

@@ -40,7 +40,7 @@ pub use connect::{tls_client_config, tls_client_config_with_cert};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;
 pub use error::{ConnectStep, Error, KeyPath, LossReason, Result};
-pub use inspect::Inspector;
+pub use inspect::{Entries, Entry, Inspector};
 pub use keys::{MAX_BATCH_BYTES, MAX_KEY_LEN, check_key};
 pub use lease::{LeaseLossPolicy, LeaseState};
 /// The TLS library whose `ClientConfig` `Builder::tls` takes, re-exported so versions always

@@ -334,6 +334,11 @@ pub(crate) const LIST_ALL: &str = r#"
 SELECT primary_namespace, secondary_namespace, key FROM {kv}
  ORDER BY primary_namespace, secondary_namespace, key"#;
 
+/// Every entry with its value, in the order of [`LIST_ALL`]: one statement, so one snapshot.
+pub(crate) const ENTRIES: &str = r#"
+SELECT primary_namespace, secondary_namespace, key, value FROM {kv}
+ ORDER BY primary_namespace, secondary_namespace, key"#;
+
 /// The identity of the connection's server process: its pid and start time (a pid alone may
 /// be reused). Asked once per pooled connection, before its first mutation.
 pub(crate) const BACKEND_IDENTITY: &str =
@@ -399,6 +404,7 @@ pub(crate) struct Statements {
     pub(crate) list: String,
     pub(crate) list_page: String,
     pub(crate) list_all: String,
+    pub(crate) entries: String,
     pub(crate) analyze: String,
 }
 
@@ -422,6 +428,7 @@ impl Statements {
             list: s(LIST),
             list_page: s(LIST_PAGE),
             list_all: s(LIST_ALL),
+            entries: s(ENTRIES),
             analyze: s(ANALYZE),
         }
     }

@@ -633,3 +633,34 @@ async fn standby_keeps_waiting_when_the_server_ends_an_idle_setup() {
     let store = within("standby acquires", waiting).await.unwrap().unwrap();
     store.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspector_entries_stream_every_value_in_order_from_one_snapshot() {
+    let mut none = builder(&table("nosuch")).inspect().await.unwrap().entries().await.unwrap();
+    assert!(none.next().await.is_none(), "a missing table has no entries");
+
+    let t = table("entries");
+    let store = builder(&t).open().await.unwrap();
+    for (p, s, k) in [("b", "", "k"), ("a", "s", "y"), ("a", "s", "x"), ("a", "", "z")] {
+        store.write(p, s, k, format!("{p}/{s}/{k}").into_bytes()).await.unwrap();
+    }
+    let inspector = builder(&t).inspect().await.unwrap();
+    let mut entries = inspector.entries().await.unwrap();
+    let first = entries.next().await.unwrap().unwrap();
+    // Changes after the statement started are not seen: the entries are one snapshot.
+    store.remove("b", "", "k", false).await.unwrap();
+    store.write("a", "s", "w", b"new".to_vec()).await.unwrap();
+    let mut seen = vec![first];
+    while let Some(entry) = entries.next().await {
+        seen.push(entry.unwrap());
+    }
+    let expected: Vec<_> = [("a", "", "z"), ("a", "s", "x"), ("a", "s", "y"), ("b", "", "k")]
+        .iter()
+        .map(|(p, s, k)| {
+            (p.to_string(), s.to_string(), k.to_string(), format!("{p}/{s}/{k}").into_bytes())
+        })
+        .collect();
+    assert_eq!(seen, expected);
+    drop(entries);
+    store.close().await.unwrap();
+}

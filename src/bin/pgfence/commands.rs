@@ -111,12 +111,10 @@ pub(crate) async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(),
     };
     let mut writer = BufWriter::new(writer);
     let target = out.as_ref().map_or_else(|| "stdout".to_owned(), |p| p.display().to_string());
-    for (primary, secondary, key) in inspector.list_all_keys().await? {
-        let value = match inspector.read(&primary, &secondary, &key).await {
-            Ok(value) => value,
-            Err(e) if e.is_not_found() => continue, // Removed since the listing.
-            Err(e) => return Err(e.into()),
-        };
+    // One statement, streamed: a consistent snapshot in bounded memory, whatever the size.
+    let mut entries = inspector.entries().await?;
+    while let Some(entry) = entries.next().await {
+        let (primary, secondary, key, value) = entry?;
         let line = row_json(&primary, &secondary, &key, &value);
         writeln!(writer, "{line}").map_err(|e| Exit::other(&target, &e))?;
     }
