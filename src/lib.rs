@@ -8,11 +8,12 @@
 // `write` (per-key order, coalescing, the fenced statement), `exec` (admission, retries), `sql`
 // (the statement text).
 
-// Leaves: errors, input checks, the SQL text, the deadline's clock.
+// Leaves: errors, input checks, the SQL text, the deadline's clock, the counters.
 mod clock;
 mod error;
 mod keys;
 mod sql;
+mod stats;
 
 // Connections, options, the lease and the schema setup.
 mod config;
@@ -51,7 +52,8 @@ pub use lease::LeaseState;
 pub use rustls;
 pub use schema::LeaseInfo;
 pub use standby::{Standby, StandbyState};
-pub use store::{KvStore, Page, PageToken, PgKvStore};
+pub use stats::{FailClosed, Histogram, Operations, PoolStats, Renewals, Shared};
+pub use store::{KvStore, Page, PageToken, PgKvStore, Stats};
 /// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
 pub use tokio_postgres;
 pub use write::batch::Batch;

@@ -260,6 +260,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     let mut expiry_bound = clock() + config.ttl;
     let reply = loop {
         let now = clock();
+        // The exported gauge of the time left (the thread wakes at least once a second).
+        lease.stats.deadline_in(lease.deadline().saturating_sub(now));
         if lease.is_lost() {
             if released || now >= expiry_bound {
                 if !released {
@@ -320,6 +322,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                 expiry_bound = clock() + config.ttl;
                 match outcome {
                     Some(Ok(Ok(Renewal::Extended))) => {
+                        lease.stats.renewed(clock().saturating_sub(started));
                         lease.confirmed(started);
                         tracing::trace!(table = %lease.table, epoch = lease.epoch,
                             "pgfence lease renewed");
@@ -327,8 +330,12 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     Some(Ok(Ok(Renewal::NotSent))) => continue, // Lost meanwhile: release.
-                    Some(Ok(Ok(Renewal::NotOurs))) => LossReason::TakenOver,
+                    Some(Ok(Ok(Renewal::NotOurs))) => {
+                        lease.stats.renewal_failed();
+                        LossReason::TakenOver
+                    }
                     Some(Ok(Err(error))) => {
+                        lease.stats.renewal_failed();
                         session = None; // Reconnect next time; the old connection may be broken.
                         tracing::warn!(table = %lease.table, epoch = lease.epoch, %error,
                             "pgfence lease renewal failed; retrying until the local deadline");
@@ -336,6 +343,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     Some(Err(_)) => {
+                        lease.stats.renewal_failed();
                         session = None;
                         tracing::warn!(table = %lease.table, epoch = lease.epoch,
                             timeout = ?config.renew_interval,
@@ -344,6 +352,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     None => {
+                        lease.stats.renewal_failed();
                         session = None; // Still waiting for the server: that connection is useless.
                         LossReason::DeadlinePassed
                     }

@@ -200,6 +200,7 @@ impl Coalescer {
             return;
         }
         group.sort_by(|a, b| sort_key(&a.path).cmp(&sort_key(&b.path)));
+        exec.lease.stats.shared(group.len());
         tracing::debug!(mutations = group.len(), "pgfence coalesced mutations into one statement");
         let result = apply_fenced(exec, group.iter().map(|q| (&q.path, &q.mutation))).await;
         if let Err(e) = &result {

@@ -28,4 +28,5 @@ mod ldk_0_2;
 mod lease;
 mod pgbouncer;
 mod release;
+mod stats;
 mod tls;
