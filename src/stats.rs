@@ -396,7 +396,10 @@ const REASONS: [LossReason; 4] = [
 mod export {
     use std::time::Duration;
 
-    use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+    use metrics::{
+        Counter, Gauge, Histogram, Unit, counter, describe_counter, describe_gauge,
+        describe_histogram, gauge, histogram,
+    };
 
     use super::{Op, PoolStats, REASONS, reason_index, reason_label};
     use crate::error::LossReason;
@@ -414,6 +417,7 @@ mod export {
         renewals_ok: Counter,
         renewals_failed: Counter,
         renewal: Histogram,
+        renewal_last: Gauge,
         shared_statements: Counter,
         shared_mutations: Counter,
         retries: Counter,
@@ -424,8 +428,52 @@ mod export {
         pool: [Gauge; 4],
     }
 
+    /// Describes every metric to the recorder: its `# HELP` line in Prometheus.
+    fn describe() {
+        describe_counter!("pgfence_operations_total", "Operations that ran, by kind.");
+        describe_counter!(
+            "pgfence_operation_errors_total",
+            "Operations that returned an error, by kind (a key not found is none)."
+        );
+        describe_histogram!(
+            "pgfence_operation_duration_seconds",
+            Unit::Seconds,
+            "Operation latency from first poll to result, by kind."
+        );
+        describe_counter!("pgfence_renewals_total", "Lease renewal attempts, by outcome.");
+        describe_histogram!(
+            "pgfence_renewal_duration_seconds",
+            Unit::Seconds,
+            "Round trips of the confirmed renewals."
+        );
+        describe_gauge!(
+            "pgfence_renewal_last_seconds",
+            Unit::Seconds,
+            "Round trip of the last confirmed renewal."
+        );
+        describe_counter!(
+            "pgfence_shared_statements_total",
+            "Statements shared by concurrent mutations."
+        );
+        describe_counter!(
+            "pgfence_shared_mutations_total",
+            "Mutations carried by shared statements."
+        );
+        describe_counter!("pgfence_retries_total", "Statements retried on a fresh connection.");
+        describe_counter!("pgfence_fail_closed_total", "Times the store failed closed, by reason.");
+        describe_gauge!("pgfence_lease_held", "1 while this process holds the lease.");
+        describe_gauge!("pgfence_lease_epoch", "The epoch (fencing token) held or last held.");
+        describe_gauge!(
+            "pgfence_lease_deadline_seconds",
+            Unit::Seconds,
+            "Seconds left until the local deadline, when the store fails closed."
+        );
+        describe_gauge!("pgfence_pool_connections", "The store's connection pool, by state.");
+    }
+
     impl Export {
         pub(super) fn new(table: &str) -> Export {
+            describe();
             let t = table.to_owned();
             let ops = Op::ALL
                 .iter()
@@ -453,6 +501,7 @@ mod export {
                 renewals_failed: counter!("pgfence_renewals_total", "table" => t.clone(),
                     "outcome" => "failed"),
                 renewal: histogram!("pgfence_renewal_duration_seconds", "table" => t.clone()),
+                renewal_last: gauge!("pgfence_renewal_last_seconds", "table" => t.clone()),
                 shared_statements: counter!("pgfence_shared_statements_total",
                     "table" => t.clone()),
                 shared_mutations: counter!("pgfence_shared_mutations_total",
@@ -478,6 +527,7 @@ mod export {
         pub(super) fn renewed(&self, took: Duration) {
             self.renewals_ok.increment(1);
             self.renewal.record(took.as_secs_f64());
+            self.renewal_last.set(took.as_secs_f64());
         }
 
         pub(super) fn renewal_failed(&self) {

@@ -180,3 +180,85 @@ fn the_blocking_store_has_stats_too() {
     assert_eq!((stats.writes.count, stats.writes.errors), (1, 0));
     store.close().unwrap();
 }
+
+/// With the `metrics` feature, the same recordings reach the application's `metrics` recorder,
+/// labelled with the table, and the epoch is a gauge's value, never a label.
+#[cfg(feature = "metrics")]
+#[test]
+fn the_metrics_feature_records_through_the_facade() {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use metrics::{Counter, Gauge, Key, KeyName, Metadata, SharedString, Unit};
+
+    /// Every sample recorded into a histogram.
+    #[derive(Default)]
+    struct Samples(Mutex<Vec<f64>>);
+
+    impl metrics::HistogramFn for Samples {
+        fn record(&self, value: f64) {
+            self.0.lock().unwrap().push(value);
+        }
+    }
+
+    /// A recorder that keeps every series by its name and labels, for the test to read.
+    #[derive(Default)]
+    struct Kept {
+        counters: Mutex<BTreeMap<String, Arc<AtomicU64>>>,
+        gauges: Mutex<BTreeMap<String, Arc<AtomicU64>>>,
+        histograms: Mutex<BTreeMap<String, Arc<Samples>>>,
+    }
+
+    fn series(key: &Key) -> String {
+        let labels: Vec<String> =
+            key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        format!("{}{{{}}}", key.name(), labels.join(","))
+    }
+
+    impl metrics::Recorder for Kept {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            let mut counters = self.counters.lock().unwrap();
+            Counter::from_arc(Arc::clone(counters.entry(series(key)).or_default()))
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            let mut gauges = self.gauges.lock().unwrap();
+            Gauge::from_arc(Arc::clone(gauges.entry(series(key)).or_default()))
+        }
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> metrics::Histogram {
+            let mut histograms = self.histograms.lock().unwrap();
+            metrics::Histogram::from_arc(Arc::clone(histograms.entry(series(key)).or_default()))
+        }
+    }
+
+    let kept = Kept::default();
+    let t = table("stats_metrics");
+    // A current-thread runtime: the store registers its series while opening, on this thread,
+    // where the local recorder is installed.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let store = metrics::with_local_recorder(&kept, || runtime.block_on(builder(&t).open()));
+    let store = store.unwrap();
+    runtime.block_on(async {
+        store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+        store.write("p", "s", "k", b"w".to_vec()).await.unwrap();
+        store.read("p", "s", "k").await.unwrap();
+    });
+    let counter = |name: &str| kept.counters.lock().unwrap()[name].load(Ordering::Relaxed);
+    let gauge =
+        |name: &str| f64::from_bits(kept.gauges.lock().unwrap()[name].load(Ordering::Relaxed));
+    assert_eq!(counter(&format!("pgfence_operations_total{{table={t},op=write}}")), 2);
+    assert_eq!(counter(&format!("pgfence_operations_total{{table={t},op=read}}")), 1);
+    assert_eq!(counter(&format!("pgfence_operation_errors_total{{table={t},op=write}}")), 0);
+    let timed = &kept.histograms.lock().unwrap()
+        [&format!("pgfence_operation_duration_seconds{{table={t},op=write}}")];
+    assert_eq!(timed.0.lock().unwrap().len(), 2);
+    assert_eq!(gauge(&format!("pgfence_lease_held{{table={t}}}")), 1.0);
+    assert_eq!(gauge(&format!("pgfence_lease_epoch{{table={t}}}")), store.fencing_token() as f64);
+    let all: Vec<String> = kept.counters.lock().unwrap().keys().cloned().collect();
+    assert!(all.iter().all(|s| !s.contains("epoch")), "{all:?}");
+    runtime.block_on(store.close()).unwrap();
+    assert_eq!(gauge(&format!("pgfence_lease_held{{table={t}}}")), 0.0);
+}
