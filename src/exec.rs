@@ -18,6 +18,7 @@ use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
 use crate::sql::{self, Statements};
+use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
 /// and every outstanding operation future. The last one dropped releases the lease.
@@ -110,6 +111,28 @@ impl Executor {
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
         self.run(operation, sql, params, false).await
+    }
+
+    /// Counts an operation of kind `op` that started at `started` and ended with `result`. A
+    /// key not found is an answer, not an error.
+    pub(crate) fn record<T>(&self, op: Op, started: std::time::Instant, result: &Result<T>) {
+        let failed = matches!(result, Err(e) if !e.is_not_found());
+        let stats = &self.lease.stats;
+        stats.operation(op, started.elapsed(), failed);
+        if cfg!(feature = "metrics") {
+            stats.pool(&self.pool_stats()); // The pool's gauges: only the facade needs them now.
+        }
+    }
+
+    /// The pool's state now.
+    pub(crate) fn pool_stats(&self) -> PoolStats {
+        let status = self.pool.status();
+        PoolStats {
+            max_size: status.max_size,
+            size: status.size,
+            in_use: status.size.saturating_sub(status.available),
+            waiting: status.waiting,
+        }
     }
 
     /// Runs a prepared statement (prepared once per pooled connection) and returns its rows,
@@ -255,6 +278,7 @@ impl Executor {
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
                     tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh \
                         connection");
+                    self.lease.stats.retried();
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
@@ -420,24 +444,29 @@ pub(crate) struct Backend {
     pub(crate) started: SystemTime,
 }
 
-/// Runs a mutation in a task of its own ([`detached`]).
+/// Runs a mutation of kind `op` in a task of its own ([`detached`]), and counts it.
 ///
 /// The mutation is admitted when its future is first polled ([`Executor::admit`]). It holds
 /// its admission until it ends, so `close()` waits for it.
 pub(crate) async fn admitted<T: Send + 'static>(
     exec: &Executor,
+    op: Op,
     work: impl Future<Output = Result<T>> + Send + 'static,
 ) -> Result<T> {
-    let running = exec.admit()?;
-    let abandoned = exec.abandoned();
-    detached(
-        async move {
-            let _running = running;
-            work.await
-        },
-        abandoned,
-    )
-    .await
+    let started = std::time::Instant::now();
+    let result = match exec.admit() {
+        Ok(running) => {
+            let abandoned = exec.abandoned();
+            let work = async move {
+                let _running = running;
+                work.await
+            };
+            detached(work, abandoned).await
+        }
+        Err(e) => Err(e),
+    };
+    exec.record(op, started, &result);
+    result
 }
 
 /// Runs work as a task of its own and waits for it.

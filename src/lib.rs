@@ -8,11 +8,12 @@
 // `write` (per-key order, coalescing, the fenced statement), `exec` (admission, retries), `sql`
 // (the statement text).
 
-// Leaves: errors, input checks, the SQL text, the deadline's clock.
+// Leaves: errors, input checks, the SQL text, the deadline's clock, the counters.
 mod clock;
 mod error;
 mod keys;
 mod sql;
+mod stats;
 
 // Connections, libpq's environment, the lease (with its loss policy) and the schema setup.
 mod connect;
@@ -47,6 +48,8 @@ pub use lease::{LeaseLossPolicy, LeaseState};
 /// match.
 pub use rustls;
 pub use schema::LeaseInfo;
+pub use stats::{FailClosed, Histogram, Operations, PoolStats, Renewals, Shared};
+pub use store::Stats;
 pub use store::blocking;
 pub use store::{Builder, KvStore, Page, PageToken, PgKvStore, Standby, StandbyState};
 /// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.

@@ -1772,3 +1772,86 @@ fn examples_answer_help_and_leave_no_tables_on_a_given_server() {
     assert!(bench.stdout().contains("--release"), "the table says so too: {bench:?}");
     assert_eq!(tables_named("bench"), before, "bench left its tables");
 }
+
+/// A port nothing listens on now (bound, then freed).
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// `GET http://addr/path` with curl, a real HTTP client: the status code and the body.
+fn curl(addr: &str, path: &str) -> (String, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "-w", "\n%{http_code}"])
+        .arg(format!("http://{addr}{path}"))
+        .output()
+        .expect("run curl");
+    assert!(out.status.success(), "curl {addr}{path}: {out:?}");
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    let (body, code) = text.rsplit_once('\n').expect("the status code line");
+    (code.to_owned(), body.to_owned())
+}
+
+/// The value of the sample `name{table="TABLE"[,labels]}` in a Prometheus text exposition.
+fn sample(text: &str, name: &str, table: &str, labels: &str) -> f64 {
+    let sep = if labels.is_empty() { "" } else { "," };
+    let series = format!("{name}{{table=\"{table}\"{sep}{labels}}} ");
+    let line = text.lines().find(|l| l.starts_with(&series));
+    let value = line.unwrap_or_else(|| panic!("no {series:?} in:\n{text}"));
+    value[series.len()..].parse().unwrap_or_else(|e| panic!("{value:?}: {e}"))
+}
+
+/// `hold --metrics-addr` serves Prometheus text. Scraped twice with curl, the write and
+/// renewal counters have moved, the lease is shown held with its epoch, and every write was
+/// timed. Only `/metrics` is served.
+#[test]
+fn hold_serves_metrics_that_move_between_scrapes() {
+    let (url, table) = (server().url(), unique_name("cli_metrics"));
+    let addr = format!("127.0.0.1:{}", free_port());
+    let args = ["--ttl", "3", "--write-every", "50", "--counter-key", "c", "--metrics-addr", &addr];
+    let holder = Holder::spawn("M", &url, &table, &args);
+    let epoch = holder.acquired().int("epoch");
+    let at = holder.writes(0, 3);
+    let (code, first) = curl(&addr, "/metrics");
+    assert_eq!(code, "200", "{first}");
+    assert_eq!(sample(&first, "pgfence_lease_held", &table, ""), 1.0);
+    assert_eq!(sample(&first, "pgfence_lease_epoch", &table, ""), epoch as f64);
+    assert!(sample(&first, "pgfence_lease_deadline_seconds", &table, "") > 0.0, "{first}");
+    let writes = |text: &str| sample(text, "pgfence_operations_total", &table, "op=\"write\"");
+    let renewals = |text: &str| sample(text, "pgfence_renewals_total", &table, "outcome=\"ok\"");
+    assert!(writes(&first) >= 3.0, "{first}");
+
+    // Renewal runs every second (TTL 3 s): wait for one more, and for more writes.
+    holder.writes(at, 3);
+    let deadline = Instant::now() + GUARD;
+    let second = loop {
+        let (_, text) = curl(&addr, "/metrics");
+        if renewals(&text) > renewals(&first) && writes(&text) > writes(&first) {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "counters did not move:\n{first}\n---\n{text}");
+        thread::sleep(Duration::from_millis(200));
+    };
+    let timed = "pgfence_operation_duration_seconds_count";
+    assert!(sample(&second, timed, &table, "op=\"write\"") >= writes(&first), "{second}");
+    let errors = sample(&second, "pgfence_operation_errors_total", &table, "op=\"write\"");
+    assert_eq!(errors, 0.0);
+    assert_eq!(sample(&second, "pgfence_fail_closed_total", &table, "reason=\"fenced\""), 0.0);
+    assert!(second.contains("# TYPE pgfence_renewal_duration_seconds histogram"), "{second}");
+    assert_eq!(curl(&addr, "/other").0, "404");
+    holder.stop("TERM", epoch);
+}
+
+/// An address already in use is a usage error (exit 2) before the lease is taken.
+#[test]
+fn hold_with_a_metrics_address_in_use_exits_2_without_the_lease() {
+    let (url, table) = (server().url(), unique_name("cli_metrics_busy"));
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("local address").to_string();
+    let ran = run(&url, &table, &["hold", "--metrics-addr", &addr], None);
+    ran.expect(2, "metrics address in use");
+    assert!(ran.stderr.contains("--metrics-addr"), "{}", ran.stderr);
+    let sql = format!("SELECT to_regclass('\"{table}_lease\"') IS NULL");
+    let rows = query(&server().config(), &sql);
+    assert!(rows[0].get::<_, bool>(0), "nothing was created, no lease was taken");
+}

@@ -274,6 +274,8 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
     let mut expiry_bound = clock() + config.ttl;
     let reply = loop {
         let now = clock();
+        // The exported gauge of the time left (the thread wakes at least once a second).
+        lease.stats.deadline_in(lease.deadline().saturating_sub(now));
         if lease.is_lost() {
             if released || now >= expiry_bound {
                 if !released {
@@ -334,6 +336,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                 expiry_bound = clock() + config.ttl;
                 match outcome {
                     Some(Ok(Ok(Renewal::Extended))) => {
+                        lease.stats.renewed(clock().saturating_sub(started));
                         lease.confirmed(started);
                         tracing::trace!(target: LOG, table = %lease.table, epoch = lease.epoch,
                             "pgfence lease renewed");
@@ -341,8 +344,12 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     Some(Ok(Ok(Renewal::NotSent))) => continue, // Lost meanwhile: release.
-                    Some(Ok(Ok(Renewal::NotOurs))) => LossReason::TakenOver,
+                    Some(Ok(Ok(Renewal::NotOurs))) => {
+                        lease.stats.renewal_failed();
+                        LossReason::TakenOver
+                    }
                     Some(Ok(Err(error))) => {
+                        lease.stats.renewal_failed();
                         session = None; // Reconnect next time; the old connection may be broken.
                         tracing::warn!(
                             target: LOG,
@@ -352,6 +359,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     Some(Err(_)) => {
+                        lease.stats.renewal_failed();
                         session = None;
                         tracing::warn!(target: LOG, table = %lease.table, epoch = lease.epoch,
                             timeout = ?config.renew_interval,
@@ -360,6 +368,7 @@ async fn run(lease: Arc<Lease>, config: KeeperConfig, mut stop: mpsc::UnboundedR
                         continue;
                     }
                     None => {
+                        lease.stats.renewal_failed();
                         session = None; // Still waiting for the server: that connection is useless.
                         LossReason::DeadlinePassed
                     }

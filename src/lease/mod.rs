@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use crate::clock::clock;
 use crate::error::{Error, LossReason, Result};
+use crate::stats::Recorder;
 
 /// What a store knows of its lease, published on [`crate::PgKvStore::lease_state`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +64,9 @@ pub(crate) struct Lease {
     tracked: Mutex<Tracked>,
     published: watch::Sender<LeaseState>,
     policy: LeaseLossPolicy,
+    /// The store's counters. Here because the lease is what the store's operations and its
+    /// renewal thread all share.
+    pub(crate) stats: Recorder,
 }
 
 /// What [`Lease::tracked`] holds.
@@ -161,7 +165,10 @@ impl Lease {
         deadline_after: Duration,
         policy: LeaseLossPolicy,
     ) -> Lease {
+        let stats = Recorder::new(&table);
+        stats.lease(true, epoch);
         Lease {
+            stats,
             owner_id,
             epoch,
             table,
@@ -194,6 +201,9 @@ impl Lease {
         }
         let before = tracked.state.clone();
         tracked.state = before.clone().after(event);
+        if let (None, Some(reason)) = (before.lost(), tracked.state.lost()) {
+            self.stats.failed_closed(reason);
+        }
         if before == State::Held && tracked.state != State::Held {
             let epoch = self.epoch;
             let published = match &tracked.state {
@@ -208,6 +218,7 @@ impl Lease {
                 }
                 State::Abandoned { .. } => LeaseState::Abandoned { epoch },
             };
+            self.stats.lease(false, epoch);
             self.published.send_replace(published);
         }
         tracked.state.clone()
@@ -219,7 +230,7 @@ impl Lease {
     }
 
     /// Time left until the local deadline; zero once it has passed.
-    fn remaining(&self) -> Duration {
+    pub(crate) fn remaining(&self) -> Duration {
         self.deadline().saturating_sub(clock())
     }
 

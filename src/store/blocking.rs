@@ -214,6 +214,12 @@ impl PgKvStore {
         self.io.block_on(async move { store.list_all_keys().await })
     }
 
+    /// A snapshot of the store's counters, latencies, lease and pool, as
+    /// [`crate::PgKvStore::stats`]. It never blocks on the database.
+    pub fn stats(&self) -> crate::Stats {
+        self.store.stats()
+    }
+
     /// The lease epoch this store holds (the fencing token).
     pub fn fencing_token(&self) -> i64 {
         self.store.fencing_token()

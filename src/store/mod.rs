@@ -10,13 +10,16 @@ pub mod blocking;
 mod builder;
 pub(crate) mod open;
 mod standby;
+mod stats;
 
 pub use builder::Builder;
 pub(crate) use builder::Source;
 pub use standby::{Standby, StandbyState};
+pub use stats::Stats;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use deadpool_postgres::Pool;
 use tokio::sync::watch;
@@ -28,6 +31,7 @@ use crate::exec::{Executor, admitted, value_or_not_found};
 use crate::keys::{check_key, check_namespaces};
 use crate::lease::LeaseState;
 use crate::schema::{self, LeaseInfo};
+use crate::stats::Op;
 use crate::write::batch::Batch;
 use crate::write::{Mutation, Writes};
 
@@ -207,7 +211,8 @@ impl PgKvStore {
         check_key(primary_namespace, secondary_namespace, key)?;
         let exec = &self.exec;
         let span = exec.span("read", primary_namespace, secondary_namespace, key);
-        async {
+        let started = Instant::now();
+        let result = async {
             let rows = exec
                 .query(
                     "read",
@@ -218,7 +223,9 @@ impl PgKvStore {
             value_or_not_found(&rows, primary_namespace, secondary_namespace, key)
         }
         .instrument(span)
-        .await
+        .await;
+        exec.record(Op::Read, started, &result);
+        result
     }
 
     /// Writes a value, creating or replacing the key. The key's place in the per-key order is
@@ -240,7 +247,7 @@ impl PgKvStore {
             let ticket = prepared?;
             let store = Arc::clone(&exec);
             let work = async move { writes.mutate(&store, ticket, Mutation::Write(value)).await };
-            admitted(&exec, work.instrument(span)).await
+            admitted(&exec, Op::Write, work.instrument(span)).await
         }
     }
 
@@ -263,7 +270,7 @@ impl PgKvStore {
             let ticket = prepared?;
             let store = Arc::clone(&exec);
             let work = async move { writes.mutate(&store, ticket, Mutation::Remove).await };
-            admitted(&exec, work.instrument(span)).await
+            admitted(&exec, Op::Remove, work.instrument(span)).await
         }
     }
 
@@ -276,14 +283,17 @@ impl PgKvStore {
         check_namespaces(primary_namespace, secondary_namespace)?;
         let exec = &self.exec;
         let span = exec.span("list", primary_namespace, secondary_namespace, "");
-        async {
+        let started = Instant::now();
+        let result = async {
             let rows = exec
                 .query("list", &exec.statements.list, &[&primary_namespace, &secondary_namespace])
                 .await?;
             Ok(rows.iter().map(|row| row.get(0)).collect())
         }
         .instrument(span)
-        .await
+        .await;
+        exec.record(Op::List, started, &result);
+        result
     }
 
     /// One page of a namespace pair's keys, newest-created first. Pass `None` for the first
@@ -307,7 +317,8 @@ impl PgKvStore {
         };
         let exec = &self.exec;
         let span = exec.span("list_paginated", primary_namespace, secondary_namespace, "");
-        async {
+        let started = Instant::now();
+        let result = async {
             let limit = exec.page_size as i64 + 1;
             let rows = exec
                 .query(
@@ -325,19 +336,24 @@ impl PgKvStore {
             Ok(Page { keys: rows.iter().map(|row| row.get(0)).collect(), next_page_token })
         }
         .instrument(span)
-        .await
+        .await;
+        exec.record(Op::List, started, &result);
+        result
     }
 
     /// Every key of the table as `(primary_namespace, secondary_namespace, key)`, in byte order.
     pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
         let exec = &self.exec;
         let span = exec.span("list_all_keys", "", "", "");
-        async {
+        let started = Instant::now();
+        let result = async {
             let rows = exec.query("list_all_keys", &exec.statements.list_all, &[]).await?;
             Ok(rows.iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
         }
         .instrument(span)
-        .await
+        .await;
+        exec.record(Op::List, started, &result);
+        result
     }
 
     /// The lease epoch this store holds: the fencing token, strictly increasing with every
@@ -361,6 +377,12 @@ impl PgKvStore {
     /// release it. Await `changed()` on it to learn of a loss the moment it is known.
     pub fn lease_state(&self) -> watch::Receiver<LeaseState> {
         self.exec.lease.subscribe()
+    }
+
+    /// A snapshot of this store's counters and latencies, its lease and its pool (see
+    /// [`Stats`]). It runs no SQL and takes no lock an operation waits for.
+    pub fn stats(&self) -> Stats {
+        Stats::of(&self.exec)
     }
 
     /// The lease row as the database sees it now: holder, epoch, time left. It reads the

@@ -12,6 +12,7 @@ use super::statement::{Mutation, apply_fenced};
 use crate::error::{Error, Result};
 use crate::exec::{Executor, admitted};
 use crate::keys::{MAX_BATCH_BYTES, check_key};
+use crate::stats::Op;
 
 /// What each operation of a batch adds to its size besides its keys, namespaces and value.
 ///
@@ -161,7 +162,7 @@ impl Batch {
             let (exec, entries, span) = prepared?;
             let store = Arc::clone(&exec);
             let work = async move { apply(&store, entries).await };
-            admitted(&exec, work.instrument(span)).await
+            admitted(&exec, Op::Batch, work.instrument(span)).await
         }
     }
 }

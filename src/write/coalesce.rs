@@ -204,6 +204,7 @@ impl Coalescer {
             return;
         }
         group.sort_by(|a, b| sort_key(&a.path).cmp(&sort_key(&b.path)));
+        exec.lease.stats.shared(group.len());
         tracing::debug!(
             target: LOG,
             mutations = group.len(), "pgfence coalesced mutations into one statement");

@@ -30,5 +30,6 @@ mod lease;
 mod pgbouncer;
 mod release;
 mod replication;
+mod stats;
 mod tls;
 mod watchdog;

@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use crate::HoldArgs;
 use crate::exit::{Exit, chain, fail_code};
 use crate::logging::STANDBY_TROUBLE;
+use crate::metrics;
 use crate::target::{ConnectError, Target};
 
 /// SIGINT or SIGTERM, whichever comes first.
@@ -105,6 +106,16 @@ impl CounterKey {
     }
 }
 
+/// The store the metrics endpoint shows. Emptied when `hold` returns, so the endpoint's task
+/// never keeps the store alive past the command.
+struct Scraped(watch::Sender<Option<PgKvStore>>);
+
+impl Drop for Scraped {
+    fn drop(&mut self) {
+        self.0.send_replace(None);
+    }
+}
+
 /// How `hold` ended, once it holds the lease.
 enum Ended {
     Signalled,
@@ -120,6 +131,13 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
     // They never mean the default instant death that would leave the lease to expire by TTL.
     let mut signals = Signals::install()?;
     let counter = args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
+    // Bound first, so an address in use fails before the lease is taken. Served from now on:
+    // a standby shows `pgfence_lease_held` 0 while it waits.
+    let scraped = Scraped(watch::channel(None).0);
+    if let Some(addr) = args.metrics_addr {
+        let listener = metrics::bind(addr).await?;
+        metrics::serve(listener, target.table.clone(), scraped.0.subscribe());
+    }
     // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
     // (about one a second) before the local deadline at 2/3 TTL. That deadline itself comes
     // before the DB expiry.
@@ -184,6 +202,7 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
         builder.open_until(signals.recv()).await?
     };
     let Some(store) = opened else { return Ok(()) };
+    scraped.0.send_replace(Some(store.clone()));
     let epoch = store.fencing_token();
     emit(json!({ "event": "acquired", "epoch": epoch, "owner_id": store.owner_id().to_string() }));
 

@@ -15,6 +15,7 @@ mod hold;
 #[cfg(feature = "ldk-import")]
 mod ldk_import;
 mod logging;
+mod metrics;
 mod output;
 mod target;
 
@@ -235,6 +236,11 @@ struct HoldArgs {
     /// The counter's key: `KEY` (in namespace pgfence/hold) or `NS/SUB/KEY`.
     #[arg(long, value_name = "KEY", requires = "write_every")]
     counter_key: Option<String>,
+
+    /// Serve the store's metrics as Prometheus text on http://ADDR/metrics (for example
+    /// 127.0.0.1:9187). Names and labels: docs/metrics.md.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
