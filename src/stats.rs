@@ -23,6 +23,66 @@ const BOUNDS_US: [u64; 16] = [
 /// The number of buckets: one per bound, and one for everything longer.
 const BUCKETS: usize = BOUNDS_US.len() + 1;
 
+/// One exported metric: its name, Prometheus type and help text. The `metrics` feature and
+/// [`crate::Stats::prometheus`] both take names from here; docs/metrics.md lists them.
+pub(crate) struct Metric {
+    pub(crate) name: &'static str,
+    pub(crate) kind: &'static str,
+    pub(crate) help: &'static str,
+}
+
+const fn metric(name: &'static str, kind: &'static str, help: &'static str) -> Metric {
+    Metric { name, kind, help }
+}
+
+pub(crate) const OPERATIONS: Metric =
+    metric("pgfence_operations_total", "counter", "Operations that ran, by kind.");
+pub(crate) const OPERATION_ERRORS: Metric = metric(
+    "pgfence_operation_errors_total",
+    "counter",
+    "Operations that returned an error, by kind (a key not found is none).",
+);
+pub(crate) const OPERATION_DURATION: Metric = metric(
+    "pgfence_operation_duration_seconds",
+    "histogram",
+    "Operation latency from first poll to result, by kind.",
+);
+pub(crate) const RENEWALS: Metric =
+    metric("pgfence_renewals_total", "counter", "Lease renewal attempts, by outcome.");
+pub(crate) const RENEWAL_DURATION: Metric = metric(
+    "pgfence_renewal_duration_seconds",
+    "histogram",
+    "Round trips of the confirmed renewals.",
+);
+pub(crate) const RENEWAL_LAST: Metric =
+    metric("pgfence_renewal_last_seconds", "gauge", "Round trip of the last confirmed renewal.");
+pub(crate) const SHARED_STATEMENTS: Metric = metric(
+    "pgfence_shared_statements_total",
+    "counter",
+    "Statements shared by concurrent mutations.",
+);
+pub(crate) const SHARED_MUTATIONS: Metric =
+    metric("pgfence_shared_mutations_total", "counter", "Mutations carried by shared statements.");
+pub(crate) const RETRIES: Metric =
+    metric("pgfence_retries_total", "counter", "Statements retried on a fresh connection.");
+pub(crate) const FAIL_CLOSED: Metric =
+    metric("pgfence_fail_closed_total", "counter", "Times the store failed closed, by reason.");
+pub(crate) const LEASE_HELD: Metric =
+    metric("pgfence_lease_held", "gauge", "1 while this process holds the lease.");
+pub(crate) const LEASE_EPOCH: Metric =
+    metric("pgfence_lease_epoch", "gauge", "The epoch (fencing token) held or last held.");
+pub(crate) const LEASE_DEADLINE: Metric = metric(
+    "pgfence_lease_deadline_seconds",
+    "gauge",
+    "Seconds left until the local deadline, when the store fails closed.",
+);
+pub(crate) const POOL_CONNECTIONS: Metric =
+    metric("pgfence_pool_connections", "gauge", "The store's connection pool, by state.");
+
+/// The values of the `state` label of [`POOL_CONNECTIONS`], in the order of
+/// [`PoolStats::by_state`].
+pub(crate) const POOL_STATES: [&str; 4] = ["max", "open", "in_use", "waiting"];
+
 /// A latency histogram with fixed buckets, recorded with relaxed atomics.
 #[derive(Debug, Default)]
 pub(crate) struct Histo {
@@ -167,6 +227,13 @@ pub struct PoolStats {
     pub waiting: usize,
 }
 
+impl PoolStats {
+    /// The four figures in the order of [`POOL_STATES`].
+    pub(crate) fn by_state(&self) -> [usize; 4] {
+        [self.max_size, self.size, self.in_use, self.waiting]
+    }
+}
+
 /// An operation kind, for [`Recorder::operation`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Op {
@@ -177,12 +244,11 @@ pub(crate) enum Op {
     List,
 }
 
-#[cfg(feature = "metrics")]
 impl Op {
-    const ALL: [Op; 5] = [Op::Write, Op::Remove, Op::Batch, Op::Read, Op::List];
+    pub(crate) const ALL: [Op; 5] = [Op::Write, Op::Remove, Op::Batch, Op::Read, Op::List];
 
     /// The `op` label of the exported metrics.
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Op::Write => "write",
             Op::Remove => "remove",
@@ -366,9 +432,8 @@ fn reason_index(reason: &LossReason) -> usize {
     }
 }
 
-/// The `reason` label of `pgfence_fail_closed_total`.
-#[cfg(feature = "metrics")]
-fn reason_label(reason: &LossReason) -> &'static str {
+/// The `reason` label of [`FAIL_CLOSED`].
+pub(crate) fn reason_label(reason: &LossReason) -> &'static str {
     match reason {
         LossReason::Fenced => "fenced",
         LossReason::TakenOver => "taken_over",
@@ -378,8 +443,7 @@ fn reason_label(reason: &LossReason) -> &'static str {
 }
 
 /// Every reason, in the order of [`reason_index`].
-#[cfg(feature = "metrics")]
-const REASONS: [LossReason; 4] = [
+pub(crate) const REASONS: [LossReason; 4] = [
     LossReason::Fenced,
     LossReason::TakenOver,
     LossReason::DeadlinePassed,
@@ -401,7 +465,12 @@ mod export {
         describe_histogram, gauge, histogram,
     };
 
-    use super::{Op, PoolStats, REASONS, reason_index, reason_label};
+    use super::{
+        FAIL_CLOSED, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, OPERATION_DURATION, OPERATION_ERRORS,
+        OPERATIONS, Op, POOL_CONNECTIONS, POOL_STATES, PoolStats, REASONS, RENEWAL_DURATION,
+        RENEWAL_LAST, RENEWALS, RETRIES, SHARED_MUTATIONS, SHARED_STATEMENTS, reason_index,
+        reason_label,
+    };
     use crate::error::LossReason;
 
     #[derive(Debug)]
@@ -430,45 +499,20 @@ mod export {
 
     /// Describes every metric to the recorder: its `# HELP` line in Prometheus.
     fn describe() {
-        describe_counter!("pgfence_operations_total", "Operations that ran, by kind.");
-        describe_counter!(
-            "pgfence_operation_errors_total",
-            "Operations that returned an error, by kind (a key not found is none)."
-        );
-        describe_histogram!(
-            "pgfence_operation_duration_seconds",
-            Unit::Seconds,
-            "Operation latency from first poll to result, by kind."
-        );
-        describe_counter!("pgfence_renewals_total", "Lease renewal attempts, by outcome.");
-        describe_histogram!(
-            "pgfence_renewal_duration_seconds",
-            Unit::Seconds,
-            "Round trips of the confirmed renewals."
-        );
-        describe_gauge!(
-            "pgfence_renewal_last_seconds",
-            Unit::Seconds,
-            "Round trip of the last confirmed renewal."
-        );
-        describe_counter!(
-            "pgfence_shared_statements_total",
-            "Statements shared by concurrent mutations."
-        );
-        describe_counter!(
-            "pgfence_shared_mutations_total",
-            "Mutations carried by shared statements."
-        );
-        describe_counter!("pgfence_retries_total", "Statements retried on a fresh connection.");
-        describe_counter!("pgfence_fail_closed_total", "Times the store failed closed, by reason.");
-        describe_gauge!("pgfence_lease_held", "1 while this process holds the lease.");
-        describe_gauge!("pgfence_lease_epoch", "The epoch (fencing token) held or last held.");
-        describe_gauge!(
-            "pgfence_lease_deadline_seconds",
-            Unit::Seconds,
-            "Seconds left until the local deadline, when the store fails closed."
-        );
-        describe_gauge!("pgfence_pool_connections", "The store's connection pool, by state.");
+        for m in [OPERATIONS, OPERATION_ERRORS, RENEWALS, SHARED_STATEMENTS, SHARED_MUTATIONS] {
+            describe_counter!(m.name, m.help);
+        }
+        for m in [RETRIES, FAIL_CLOSED] {
+            describe_counter!(m.name, m.help);
+        }
+        for m in [OPERATION_DURATION, RENEWAL_DURATION] {
+            describe_histogram!(m.name, Unit::Seconds, m.help);
+        }
+        describe_gauge!(RENEWAL_LAST.name, Unit::Seconds, RENEWAL_LAST.help);
+        describe_gauge!(LEASE_DEADLINE.name, Unit::Seconds, LEASE_DEADLINE.help);
+        for m in [LEASE_HELD, LEASE_EPOCH, POOL_CONNECTIONS] {
+            describe_gauge!(m.name, m.help);
+        }
     }
 
     impl Export {
@@ -478,40 +522,40 @@ mod export {
             let ops = Op::ALL
                 .iter()
                 .map(|op| OpHandles {
-                    count: counter!("pgfence_operations_total", "table" => t.clone(),
+                    count: counter!(OPERATIONS.name, "table" => t.clone(),
                         "op" => op.label()),
-                    errors: counter!("pgfence_operation_errors_total", "table" => t.clone(),
+                    errors: counter!(OPERATION_ERRORS.name, "table" => t.clone(),
                         "op" => op.label()),
-                    latency: histogram!("pgfence_operation_duration_seconds",
+                    latency: histogram!(OPERATION_DURATION.name,
                         "table" => t.clone(), "op" => op.label()),
                 })
                 .collect();
             let fail_closed = REASONS
                 .iter()
                 .map(|reason| {
-                    counter!("pgfence_fail_closed_total", "table" => t.clone(),
+                    counter!(FAIL_CLOSED.name, "table" => t.clone(),
                         "reason" => reason_label(reason))
                 })
                 .collect();
-            let pool = |state: &'static str| gauge!("pgfence_pool_connections", "table" => t.clone(), "state" => state);
+            let pool = |state: &'static str| gauge!(POOL_CONNECTIONS.name, "table" => t.clone(), "state" => state);
             Export {
                 ops,
-                renewals_ok: counter!("pgfence_renewals_total", "table" => t.clone(),
+                renewals_ok: counter!(RENEWALS.name, "table" => t.clone(),
                     "outcome" => "ok"),
-                renewals_failed: counter!("pgfence_renewals_total", "table" => t.clone(),
+                renewals_failed: counter!(RENEWALS.name, "table" => t.clone(),
                     "outcome" => "failed"),
-                renewal: histogram!("pgfence_renewal_duration_seconds", "table" => t.clone()),
-                renewal_last: gauge!("pgfence_renewal_last_seconds", "table" => t.clone()),
-                shared_statements: counter!("pgfence_shared_statements_total",
+                renewal: histogram!(RENEWAL_DURATION.name, "table" => t.clone()),
+                renewal_last: gauge!(RENEWAL_LAST.name, "table" => t.clone()),
+                shared_statements: counter!(SHARED_STATEMENTS.name,
                     "table" => t.clone()),
-                shared_mutations: counter!("pgfence_shared_mutations_total",
+                shared_mutations: counter!(SHARED_MUTATIONS.name,
                     "table" => t.clone()),
-                retries: counter!("pgfence_retries_total", "table" => t.clone()),
+                retries: counter!(RETRIES.name, "table" => t.clone()),
                 fail_closed,
-                held: gauge!("pgfence_lease_held", "table" => t.clone()),
-                epoch: gauge!("pgfence_lease_epoch", "table" => t.clone()),
-                deadline: gauge!("pgfence_lease_deadline_seconds", "table" => t.clone()),
-                pool: [pool("max"), pool("open"), pool("in_use"), pool("waiting")],
+                held: gauge!(LEASE_HELD.name, "table" => t.clone()),
+                epoch: gauge!(LEASE_EPOCH.name, "table" => t.clone()),
+                deadline: gauge!(LEASE_DEADLINE.name, "table" => t.clone()),
+                pool: POOL_STATES.map(pool),
             }
         }
 
@@ -560,11 +604,9 @@ mod export {
         }
 
         pub(super) fn pool(&self, pool: &PoolStats) {
-            let [max, open, in_use, waiting] = &self.pool;
-            max.set(pool.max_size as f64);
-            open.set(pool.size as f64);
-            in_use.set(pool.in_use as f64);
-            waiting.set(pool.waiting as f64);
+            for (gauge, n) in self.pool.iter().zip(pool.by_state()) {
+                gauge.set(n as f64);
+            }
         }
     }
 }

@@ -1,10 +1,16 @@
 //! [`Stats`], the snapshot [`crate::PgKvStore::stats`] returns.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::exec::Executor;
 use crate::lease::LeaseState;
-use crate::stats::{FailClosed, Op, Operations, PoolStats, Renewals, Shared};
+use crate::stats::{
+    FAIL_CLOSED, FailClosed, Histogram, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, Metric,
+    OPERATION_DURATION, OPERATION_ERRORS, OPERATIONS, Op, Operations, POOL_CONNECTIONS,
+    POOL_STATES, PoolStats, REASONS, RENEWAL_DURATION, RENEWAL_LAST, RENEWALS, RETRIES, Renewals,
+    SHARED_MUTATIONS, SHARED_STATEMENTS, Shared, reason_label,
+};
 
 /// A snapshot of a store's lease, counters, latencies and pool, from
 /// [`crate::PgKvStore::stats`].
@@ -70,5 +76,131 @@ impl Stats {
             fail_closed: recorded.fail_closed(),
             pool: exec.pool_stats(),
         }
+    }
+}
+
+impl Stats {
+    /// The snapshot as Prometheus text (exposition format 0.0.4), every sample labelled with
+    /// the table. The names are those of the `metrics` feature (docs/metrics.md). Serve it to
+    /// a scraper without any metrics crate, as `pgfence hold --metrics-addr` does.
+    pub fn prometheus(&self) -> String {
+        let mut out = Text::new(&self.table);
+        let held = matches!(self.lease, LeaseState::Held { .. });
+        out.gauge(&LEASE_HELD, if held { 1.0 } else { 0.0 });
+        out.gauge(&LEASE_EPOCH, self.epoch as f64);
+        out.gauge(&LEASE_DEADLINE, self.deadline_in.as_secs_f64());
+
+        out.head(&RENEWALS);
+        out.sample(RENEWALS.name, "outcome=\"ok\"", self.renewals.ok as f64);
+        out.sample(RENEWALS.name, "outcome=\"failed\"", self.renewals.failed as f64);
+        let last = self.renewals.last_latency.unwrap_or_default();
+        out.gauge(&RENEWAL_LAST, last.as_secs_f64());
+        out.head(&RENEWAL_DURATION);
+        out.histogram(RENEWAL_DURATION.name, "", &self.renewals.latency);
+
+        let ops = Op::ALL.map(|op| (format!("op=\"{}\"", op.label()), self.operations(op)));
+        out.head(&OPERATIONS);
+        for (label, o) in &ops {
+            out.sample(OPERATIONS.name, label, o.count as f64);
+        }
+        out.head(&OPERATION_ERRORS);
+        for (label, o) in &ops {
+            out.sample(OPERATION_ERRORS.name, label, o.errors as f64);
+        }
+        out.head(&OPERATION_DURATION);
+        for (label, o) in &ops {
+            out.histogram(OPERATION_DURATION.name, label, &o.latency);
+        }
+
+        out.counter(&SHARED_STATEMENTS, self.shared.statements);
+        out.counter(&SHARED_MUTATIONS, self.shared.mutations);
+        out.counter(&RETRIES, self.retries);
+        out.head(&FAIL_CLOSED);
+        for reason in &REASONS {
+            let label = format!("reason=\"{}\"", reason_label(reason));
+            out.sample(FAIL_CLOSED.name, &label, self.fail_closed.of(reason) as f64);
+        }
+        out.head(&POOL_CONNECTIONS);
+        for (state, n) in POOL_STATES.iter().zip(self.pool.by_state()) {
+            out.sample(POOL_CONNECTIONS.name, &format!("state=\"{state}\""), n as f64);
+        }
+        out.out
+    }
+
+    /// What [`Stats::prometheus`] shows for a store not open yet (a standby still waiting):
+    /// `pgfence_lease_held` 0 alone.
+    pub fn prometheus_not_open(table: &str) -> String {
+        let mut out = Text::new(table);
+        out.gauge(&LEASE_HELD, 0.0);
+        out.out
+    }
+
+    fn operations(&self, op: Op) -> &Operations {
+        match op {
+            Op::Write => &self.writes,
+            Op::Remove => &self.removes,
+            Op::Batch => &self.batches,
+            Op::Read => &self.reads,
+            Op::List => &self.lists,
+        }
+    }
+}
+
+/// A Prometheus text exposition being written; every sample gets the `table` label first.
+struct Text {
+    out: String,
+    table: String,
+}
+
+impl Text {
+    fn new(table: &str) -> Text {
+        // A label value as the text format wants it: backslash, quote and newline escaped.
+        let table = table.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+        Text { out: String::with_capacity(8 << 10), table }
+    }
+
+    fn head(&mut self, metric: &Metric) {
+        let Metric { name, kind, help } = metric;
+        let _ = write!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}\n");
+    }
+
+    fn gauge(&mut self, metric: &Metric, value: f64) {
+        self.head(metric);
+        self.sample(metric.name, "", value);
+    }
+
+    fn counter(&mut self, metric: &Metric, value: u64) {
+        self.head(metric);
+        self.sample(metric.name, "", value as f64);
+    }
+
+    fn sample(&mut self, name: &str, labels: &str, value: f64) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let _ = writeln!(self.out, "{name}{{table=\"{}\"{sep}{labels}}} {value}", self.table);
+    }
+
+    /// Cumulative `_bucket` samples with `le`, then `_sum` and `_count`.
+    fn histogram(&mut self, name: &str, labels: &str, h: &Histogram) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut seen = 0;
+        let bounds = Histogram::bounds().map(|b| b.as_secs_f64().to_string());
+        for (le, n) in bounds.chain(["+Inf".to_owned()]).zip(&h.counts) {
+            seen += n;
+            let labels = format!("{labels}{sep}le=\"{le}\"");
+            self.sample(&format!("{name}_bucket"), &labels, seen as f64);
+        }
+        self.sample(&format!("{name}_sum"), labels, h.sum.as_secs_f64());
+        self.sample(&format!("{name}_count"), labels, h.count as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn before_the_store_opens_only_held_0_is_shown() {
+        let text = Stats::prometheus_not_open("a\"b");
+        assert!(text.ends_with("pgfence_lease_held{table=\"a\\\"b\"} 0\n"), "{text}");
     }
 }
