@@ -30,6 +30,23 @@ const DEFAULT_PORT: u16 = 5432;
 /// the first, upstream's the second.
 const SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 
+/// Every variable this module reads (with `~/.pgpass`, which is a file). A test that must not
+/// inherit its runner's connection clears these in the processes it starts.
+pub const VARIABLES: [&str; 12] = [
+    "PGHOST",
+    "PGPORT",
+    "PGUSER",
+    "PGDATABASE",
+    "PGPASSWORD",
+    "PGPASSFILE",
+    "PGAPPNAME",
+    "PGCONNECT_TIMEOUT",
+    "PGSSLMODE",
+    "PGSSLROOTCERT",
+    "PGSSLCERT",
+    "PGSSLKEY",
+];
+
 /// The variables that name a server. With none of them and no connection string, a caller
 /// may refuse to guess a local server (the `pgfence` command does).
 pub const SERVER_VARIABLES: [&str; 4] = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"];

@@ -13,22 +13,6 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
 
-/// libpq's environment: removed from the auditor, so only the URL given decides the server.
-const LIBPQ_VARIABLES: [&str; 12] = [
-    "PGHOST",
-    "PGPORT",
-    "PGUSER",
-    "PGDATABASE",
-    "PGPASSWORD",
-    "PGPASSFILE",
-    "PGAPPNAME",
-    "PGCONNECT_TIMEOUT",
-    "PGSSLMODE",
-    "PGSSLROOTCERT",
-    "PGSSLCERT",
-    "PGSSLKEY",
-];
-
 fn server() -> &'static TestServer {
     TestServer::shared()
         .expect("a PostgreSQL server for the tests (DATABASE_URL or local binaries)")
@@ -43,7 +27,7 @@ struct Auditor {
 impl Auditor {
     fn start(url: &str, args: &[&str]) -> Auditor {
         let mut command = Command::new(BIN);
-        for variable in LIBPQ_VARIABLES {
+        for variable in pgfence::env::VARIABLES {
             command.env_remove(variable);
         }
         let child = command

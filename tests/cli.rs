@@ -22,23 +22,6 @@ use tokio_postgres::NoTls;
 
 const BIN: &str = env!("CARGO_BIN_EXE_pgfence");
 
-/// libpq's environment, which `pgfence` reads: removed from every spawned process unless the
-/// test sets it, so the test runner's own environment cannot change what a test connects to.
-const LIBPQ_VARIABLES: [&str; 12] = [
-    "PGHOST",
-    "PGPORT",
-    "PGUSER",
-    "PGDATABASE",
-    "PGPASSWORD",
-    "PGPASSFILE",
-    "PGAPPNAME",
-    "PGCONNECT_TIMEOUT",
-    "PGSSLMODE",
-    "PGSSLROOTCERT",
-    "PGSSLCERT",
-    "PGSSLKEY",
-];
-
 /// Bound on any single wait: only a hang should ever reach it.
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -73,7 +56,7 @@ impl Guard {
         if !url.is_empty() {
             command.args(["--database-url", url]);
         }
-        for variable in LIBPQ_VARIABLES {
+        for variable in pgfence::env::VARIABLES {
             command.env_remove(variable);
         }
         command
@@ -1710,7 +1693,7 @@ fn examples() -> &'static std::path::Path {
 /// after [`GUARD`]).
 fn run_example(name: &str, args: &[&str]) -> Ran {
     let mut command = Command::new(examples().join(name));
-    for variable in LIBPQ_VARIABLES {
+    for variable in pgfence::env::VARIABLES {
         command.env_remove(variable);
     }
     let mut child = command

@@ -15,13 +15,13 @@ use crate::metrics;
 use crate::target::{ConnectError, Target};
 
 /// SIGINT or SIGTERM, whichever comes first.
-struct Signals {
+pub(crate) struct Signals {
     interrupt: Signal,
     terminate: Signal,
 }
 
 impl Signals {
-    fn install() -> Result<Signals, Exit> {
+    pub(crate) fn install() -> Result<Signals, Exit> {
         let install =
             |kind| signal(kind).map_err(|e| Exit::other("cannot install signal handler", &e));
         Ok(Signals {
@@ -30,7 +30,7 @@ impl Signals {
         })
     }
 
-    async fn recv(&mut self) {
+    pub(crate) async fn recv(&mut self) {
         tokio::select! {
             _ = self.interrupt.recv() => {}
             _ = self.terminate.recv() => {}

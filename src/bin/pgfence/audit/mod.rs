@@ -23,12 +23,12 @@ use pgfence::Builder;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
 pub(crate) use holder::{HolderArgs, holder};
 
 use crate::exit::{Exit, chain};
+use crate::hold::Signals;
 use crate::target::{Target, quote_table};
 use proxy::{Proxy, Upstream};
 use report::{Injected, Report};
@@ -306,30 +306,6 @@ async fn drop_tables(target: &Target) -> Result<(), String> {
         quote_table(&target.table, "_schema_version")
     );
     client.batch_execute(&sql).await.map_err(|e| chain(&e))
-}
-
-/// SIGINT or SIGTERM.
-struct Signals {
-    interrupt: tokio::signal::unix::Signal,
-    terminate: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn install() -> Result<Signals, Exit> {
-        let install =
-            |kind| signal(kind).map_err(|e| Exit::other("cannot install signal handler", &e));
-        Ok(Signals {
-            interrupt: install(SignalKind::interrupt())?,
-            terminate: install(SignalKind::terminate())?,
-        })
-    }
-
-    async fn recv(&mut self) {
-        tokio::select! {
-            _ = self.interrupt.recv() => {}
-            _ = self.terminate.recv() => {}
-        }
-    }
 }
 
 /// What a holder printed, as the auditor reads it.
