@@ -13,6 +13,7 @@
 mod common;
 mod sync_support;
 
+mod backpressure;
 mod batch;
 mod blocking;
 mod coalesce;
