@@ -30,4 +30,5 @@ mod lease;
 mod pgbouncer;
 mod release;
 mod replication;
+mod standbys;
 mod tls;
