@@ -62,6 +62,7 @@ pub struct Builder {
     pub(crate) pool_size: usize,
     pub(crate) on_lease_lost: LeaseLossPolicy,
     pub(crate) max_value_size: usize,
+    pub(crate) max_queued_bytes: usize,
     pub(crate) page_size: usize,
     pub(crate) drop_timeout: Duration,
     pub(crate) connect_timeout: Duration,
@@ -76,6 +77,7 @@ const DEFAULT_TTL: Duration = Duration::from_secs(30);
 const DEFAULT_POOL_SIZE: usize = 8;
 const DEFAULT_WRITE_CONCURRENCY: usize = 4;
 const DEFAULT_MAX_VALUE: usize = 64 * 1024 * 1024;
+const DEFAULT_MAX_QUEUED_BYTES: usize = 256 * 1024 * 1024;
 const DEFAULT_PAGE_SIZE: usize = 100;
 const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(5);
 /// The shortest `drop_timeout`. It also bounds the lease release, which cannot finish in no
@@ -129,6 +131,7 @@ impl Builder {
             pool_size: DEFAULT_POOL_SIZE,
             on_lease_lost: LeaseLossPolicy::default(),
             max_value_size: DEFAULT_MAX_VALUE,
+            max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
             page_size: DEFAULT_PAGE_SIZE,
             drop_timeout: DEFAULT_DROP_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
@@ -204,6 +207,20 @@ impl Builder {
     /// (512 MiB), well below PostgreSQL's 1 GiB limit on a protocol message and on a value.
     pub fn max_value_size(mut self, bytes: usize) -> Self {
         self.max_value_size = bytes;
+        self
+    }
+
+    /// The most bytes of `write`, `remove` and batch `commit` calls in flight at once (default
+    /// 256 MiB; 1 to `u32::MAX`, else `open()` fails with [`Error::InvalidConfig`]).
+    ///
+    /// A call counts its keys and values from when its future is first polled until it ends.
+    /// A call that does not fit waits (backpressure); calls wait in the order they are polled.
+    /// None fails for it, and per-key order holds as always. A call larger than the bound is
+    /// not refused: it waits until no other call is in flight and then runs alone. The bytes
+    /// of a future not yet polled, or waiting here, are the caller's. See
+    /// [`crate::PgKvStore::queued_bytes`].
+    pub fn max_queued_bytes(mut self, bytes: usize) -> Self {
+        self.max_queued_bytes = bytes;
         self
     }
 
@@ -474,6 +491,9 @@ impl Builder {
                      PostgreSQL's 1 GiB limit on a message and on a value"
                 ),
             ));
+        }
+        if self.max_queued_bytes == 0 || self.max_queued_bytes > u32::MAX as usize {
+            return Err(Error::config("max_queued_bytes", "must be between 1 and 4294967295"));
         }
         if self.page_size == 0 || self.page_size > 100_000 {
             return Err(Error::config("page_size", "must be between 1 and 100000"));

@@ -33,6 +33,7 @@ use crate::lease::LeaseState;
 use crate::schema::{self, LeaseInfo};
 use crate::stats::Op;
 use crate::write::batch::Batch;
+use crate::write::budget::bytes_of;
 use crate::write::{Mutation, Writes};
 
 /// A key-value store in PostgreSQL that only the holder of the table's lease may mutate.
@@ -245,8 +246,13 @@ impl PgKvStore {
         let span = exec.span("write", primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
+            let mutation = Mutation::Write(value);
+            let reserved = writes.reserve(bytes_of(ticket.path(), &mutation)).await;
             let store = Arc::clone(&exec);
-            let work = async move { writes.mutate(&store, ticket, Mutation::Write(value)).await };
+            let work = async move {
+                let _reserved = reserved;
+                writes.mutate(&store, ticket, mutation).await
+            };
             admitted(&exec, Op::Write, work.instrument(span)).await
         }
     }
@@ -268,8 +274,12 @@ impl PgKvStore {
         let span = exec.span("remove", primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
+            let reserved = writes.reserve(bytes_of(ticket.path(), &Mutation::Remove)).await;
             let store = Arc::clone(&exec);
-            let work = async move { writes.mutate(&store, ticket, Mutation::Remove).await };
+            let work = async move {
+                let _reserved = reserved;
+                writes.mutate(&store, ticket, Mutation::Remove).await
+            };
             admitted(&exec, Op::Remove, work.instrument(span)).await
         }
     }
@@ -421,6 +431,13 @@ impl PgKvStore {
     /// returns [`Error::LeaseLost`].
     pub async fn close(&self) -> Result<()> {
         self.exec.close().await
+    }
+
+    /// The bytes of `write`, `remove` and batch `commit` calls in flight now: polled and not
+    /// yet finished. It counts each one's keys and values. It stays within
+    /// [`Builder::max_queued_bytes`], except while a single larger mutation runs alone.
+    pub fn queued_bytes(&self) -> usize {
+        self.writes.queued_bytes()
     }
 
     /// Starts an empty atomic batch of puts and removes; see [`Batch`].

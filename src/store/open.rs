@@ -251,7 +251,11 @@ async fn open_here(
             retry_for: builder.lease_ttl,
             backends: Mutex::new(HashMap::new()),
         }),
-        writes: Arc::new(Writes::new(builder.write_concurrency, builder.max_value_size)),
+        writes: Arc::new(Writes::new(
+            builder.write_concurrency,
+            builder.max_value_size,
+            builder.max_queued_bytes,
+        )),
     })
 }
 

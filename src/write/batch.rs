@@ -7,6 +7,7 @@ use std::sync::{Arc, Weak};
 use tracing::Instrument;
 
 use super::Writes;
+use super::budget::bytes_of;
 use super::ordering::Ticket;
 use super::statement::{Mutation, apply_fenced};
 use crate::error::{Error, Result};
@@ -160,8 +161,13 @@ impl Batch {
         };
         async move {
             let (exec, entries, span) = prepared?;
+            let bytes = entries.iter().map(|e| bytes_of(e.ticket.path(), &e.op)).sum();
+            let reserved = writes.reserve(bytes).await;
             let store = Arc::clone(&exec);
-            let work = async move { apply(&store, entries).await };
+            let work = async move {
+                let _reserved = reserved;
+                apply(&store, entries).await
+            };
             admitted(&exec, Op::Batch, work.instrument(span)).await
         }
     }

@@ -10,6 +10,7 @@
 //! [`Executor::fenced`](crate::exec::Executor::fenced).
 
 pub(crate) mod batch;
+pub(crate) mod budget;
 pub(crate) mod coalesce;
 pub(crate) mod ordering;
 pub(crate) mod statement;
@@ -18,6 +19,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, KeyPath, Result};
 use crate::exec::Executor;
+use budget::{Budget, Reservation};
 use coalesce::Coalescer;
 use ordering::{KeyOrder, Ticket};
 pub(crate) use statement::Mutation;
@@ -29,15 +31,33 @@ pub(crate) struct Writes {
     order: Arc<KeyOrder>,
     coalescer: Coalescer,
     max_value_size: usize,
+    /// The bound on bytes of mutations in flight ([`budget`]).
+    budget: Budget,
 }
 
 impl Writes {
-    pub(crate) fn new(write_concurrency: usize, max_value_size: usize) -> Writes {
+    pub(crate) fn new(
+        write_concurrency: usize,
+        max_value_size: usize,
+        max_queued_bytes: usize,
+    ) -> Writes {
         Writes {
             order: Arc::new(KeyOrder::default()),
             coalescer: Coalescer::new(write_concurrency),
             max_value_size,
+            budget: Budget::new(max_queued_bytes),
         }
+    }
+
+    /// Waits until `bytes` fit under the bound on queued bytes and reserves them (see
+    /// [`budget`]). Call it before admission and before waiting for any key's turn.
+    pub(crate) async fn reserve(&self, bytes: usize) -> Reservation {
+        self.budget.reserve(bytes).await
+    }
+
+    /// The bytes reserved now by mutations in flight.
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.budget.held()
     }
 
     /// Takes the key's place in the per-key order. It is called synchronously, when `write`,

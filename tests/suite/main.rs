@@ -14,6 +14,7 @@ mod common;
 mod sync_support;
 
 mod actionable;
+mod backpressure;
 mod batch;
 mod blocking;
 mod coalesce;
@@ -30,6 +31,7 @@ mod lease;
 mod pgbouncer;
 mod release;
 mod replication;
+mod standbys;
 mod stats;
 mod tls;
 mod watchdog;

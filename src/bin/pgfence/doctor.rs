@@ -69,6 +69,10 @@ const DOCTOR_FACTS: &str = "SELECT
     host(inet_server_addr()),
     inet_server_port()";
 
+/// The timeline of the current WAL position, as acquisition reads it for its epoch floor.
+const WAL_TIMELINE: &str =
+    "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint";
+
 /// `doctor`: each check a row of a pass/warn/fail table (or `--json`); exit 1 if one fails.
 pub(crate) async fn doctor(builder: Builder, target: &Target, json: bool) -> Result<(), Exit> {
     let checks = doctor_checks(builder, target).await;
@@ -220,6 +224,25 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
     } else {
         check("session control", Status::Fail,
             "current_user differs from the login role (SET ROLE): pgfence could not end a              session whose write may still commit; log in as the role that owns the tables")
+    });
+    // Acquisition takes its epoch floor from the WAL timeline (src/sql.rs, ACQUIRE). A role
+    // whose EXECUTE on these functions was revoked could never acquire the lease.
+    checks.push(match client.query_one(WAL_TIMELINE, &[]).await {
+        Ok(row) => check(
+            "wal timeline",
+            Status::Pass,
+            format!("{role} may read the WAL position (timeline {})", row.get::<_, i64>(0)),
+        ),
+        Err(e) => check(
+            "wal timeline",
+            Status::Fail,
+            format!(
+                "{role} cannot read the WAL position, which acquiring the lease needs ({}): GRANT \
+             EXECUTE ON FUNCTION pg_walfile_name(pg_lsn), pg_current_wal_lsn() TO {role}, or \
+             connect to the primary",
+                chain(&e)
+            ),
+        ),
     });
     drop(client);
     let server_end: (Option<String>, Option<i32>) = (facts.get(18), facts.get(19));

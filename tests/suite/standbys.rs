@@ -1,0 +1,115 @@
+//! Ten standbys on one store: what they cost the server while the holder is healthy, and a
+//! chain of graceful handoffs in which exactly one standby acquires each time.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use common::{admin, table, within};
+use pgfence::{PgKvStore, StandbyState};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+const STANDBYS: usize = 10;
+const TTL: Duration = Duration::from_secs(30);
+
+type Waiting = (JoinHandle<pgfence::Result<PgKvStore>>, watch::Receiver<StandbyState>);
+
+/// The transactions committed in `db` so far, as the statistics show them.
+async fn commits(db: &str) -> i64 {
+    let admin = admin().await;
+    // Backends report their counts about once a second; a snapshot per transaction is cleared.
+    admin.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+    let row = admin
+        .query_one("SELECT xact_commit FROM pg_stat_database WHERE datname = $1", &[&db])
+        .await
+        .unwrap();
+    row.get(0)
+}
+
+/// Ten standbys wait on one healthy holder. Each keeps one idle LISTEN connection and nothing
+/// else open; they poll nothing. Then the holder closes, and so does each successor in turn:
+/// every time exactly one standby acquires, with a higher epoch. Prints the median handoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_standbys_idle_on_one_connection_each_and_exactly_one_takes_over() {
+    let (config, _superuser) = common::own_database("sbten").await;
+    let db = config.get_dbname().expect("a database name").to_owned();
+    let t = table("sbten");
+    let app = format!("sbten-{}", &t[t.len() - 8..]);
+    let builder = |name: &str| {
+        PgKvStore::builder_from_config(config.clone())
+            .table(&t)
+            .pool_size(2)
+            .lease_ttl(TTL)
+            .renew_interval(Duration::from_secs(5))
+            .application_name(format!("{app}-{name}"))
+    };
+    let mut holder = builder("holder").open().await.expect("the first holder opens");
+    let mut waiting: Vec<Waiting> = Vec::new();
+    for i in 0..STANDBYS {
+        let standby = builder(&format!("standby{i}")).standby();
+        let mut progress = standby.progress();
+        let task = tokio::spawn(standby.open());
+        within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+            .await
+            .unwrap();
+        waiting.push((task, progress));
+    }
+
+    // While the holder is healthy: connections and statements of the standbys.
+    let sessions = format!(
+        "SELECT count(*), count(*) FILTER (WHERE state = 'idle' AND query LIKE 'LISTEN%') \
+         FROM pg_stat_activity WHERE application_name LIKE 'pgfence {app}-standby%'"
+    );
+    let row = admin().await.query_one(&sessions, &[]).await.unwrap();
+    let (all, listening): (i64, i64) = (row.get(0), row.get(1));
+    eprintln!("{STANDBYS} standbys: {all} server connections, {listening} idle in LISTEN");
+    assert_eq!(listening, STANDBYS as i64, "one LISTEN connection each: {all} in all");
+    assert!(all <= 2 * STANDBYS as i64, "at most one more each, while it looks: {all}");
+    const QUIET: Duration = Duration::from_secs(12);
+    let before = commits(&db).await;
+    tokio::time::sleep(QUIET).await;
+    let during = commits(&db).await - before;
+    eprintln!("{STANDBYS} standbys and a holder: {during} transactions in {QUIET:?}");
+    // The holder renews about twice. Each standby checks its LISTEN connection every 5 s. It
+    // tries to acquire once more when the lease it saw would have expired, about once a TTL:
+    // one attempt of a few transactions. Polling once a second, as without LISTEN, would make
+    // 120 attempts here, several hundred transactions.
+    assert!(during <= 15 * STANDBYS as i64, "{during} transactions in {QUIET:?}");
+
+    let mut handoffs = Vec::new();
+    let mut epoch = holder.fencing_token();
+    while !waiting.is_empty() {
+        let started = Instant::now();
+        holder.close().await.expect("a graceful close");
+        let winner = within("a standby acquires", async {
+            loop {
+                if let Some(i) = waiting.iter().position(|(task, _)| task.is_finished()) {
+                    break i;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        handoffs.push(started.elapsed());
+        // Long enough for every woken standby to have made its attempt.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let finished = waiting.iter().filter(|(task, _)| task.is_finished()).count();
+        assert_eq!(finished, 1, "exactly one standby acquires");
+        let (task, progress) = waiting.swap_remove(winner);
+        holder = task.await.unwrap().expect("the winner opens the store");
+        assert!(matches!(*progress.borrow(), StandbyState::Acquired { .. }));
+        assert!(holder.fencing_token() > epoch, "each acquisition has a higher epoch");
+        epoch = holder.fencing_token();
+        holder.write("ns", "sub", "k", epoch.to_be_bytes().to_vec()).await.unwrap();
+    }
+    holder.close().await.unwrap();
+    handoffs.sort();
+    eprintln!(
+        "graceful handoff with {STANDBYS} down to 1 standbys waiting: median {:?}, min {:?}, \
+         max {:?}",
+        handoffs[handoffs.len() / 2],
+        handoffs[0],
+        handoffs[handoffs.len() - 1]
+    );
+}
