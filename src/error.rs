@@ -187,7 +187,10 @@ pub enum Error {
 
     /// The connection goes through a pooler that hands server sessions out per transaction
     /// (PgBouncer's `pool_mode = transaction` or `statement`). The store needs a session of its
-    /// own; `open()` refused before it ran anything that could end another client's session.
+    /// own. `open()` refuses before it runs anything that could end another client's session.
+    /// A busy pooler can hide its mode from that check. A statement then finds its prepared
+    /// statement missing on the server session, or taken by another client. That statement
+    /// ran nothing, and it fails with this error too, not the server's message.
     #[error(
         "the connection goes through a pooler in {pool_mode} mode, which pgfence does not \
          support: connect through a pooler in session mode, or directly to PostgreSQL"
@@ -381,14 +384,20 @@ impl Error {
         )
     }
 
-    /// A statement's error: [`Error::PermissionDenied`] for a missing privilege, else
-    /// [`Error::Database`].
+    /// A statement's error: [`Error::PermissionDenied`] for a missing privilege,
+    /// [`Error::PoolerModeUnsupported`] for a prepared statement the server session lacks or
+    /// already has under another text, else [`Error::Database`].
     pub(crate) fn db(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Error {
-        move |source| match grant_for(&source, "<role>") {
-            Some((privilege, grant)) => {
-                Error::PermissionDenied { operation, privilege, grant, source }
+        move |source| {
+            if is_foreign_session(&source) {
+                return Error::PoolerModeUnsupported { pool_mode: "transaction" };
             }
-            None => Error::Database { operation, source },
+            match grant_for(&source, "<role>") {
+                Some((privilege, grant)) => {
+                    Error::PermissionDenied { operation, privilege, grant, source }
+                }
+                None => Error::Database { operation, source },
+            }
         }
     }
 
@@ -452,6 +461,19 @@ impl Error {
 
 /// For a permission error (SQLSTATE 42501): the privilege missing and the statement an
 /// administrator runs to give it to `role`, from the server's message.
+/// Whether the server refused a prepared statement of the driver's: "prepared statement
+/// \"s3\" does not exist" (26000) or "already exists" (42P05). The driver names its statements
+/// uniquely per process and prepares each once per connection. So either means another
+/// session than the one it was prepared on: a pooler moved the connection between server
+/// sessions, as in transaction mode. Nothing of the statement ran.
+fn is_foreign_session(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.as_db_error().is_some_and(|db| {
+        matches!(db.code(), &SqlState::INVALID_SQL_STATEMENT_NAME | &SqlState::DUPLICATE_PSTATEMENT)
+            && db.message().starts_with("prepared statement")
+    })
+}
+
 fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(Box<str>, Box<str>)> {
     let db = e.as_db_error()?;
     if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {

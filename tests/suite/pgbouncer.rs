@@ -126,3 +126,38 @@ async fn transaction_mode_is_refused_at_open() {
     let opened = within("standby", via(&bouncer, &t).standby().open()).await;
     assert!(matches!(opened, Err(Error::PoolerModeUnsupported { .. })), "{opened:?}");
 }
+
+/// A transaction pooler can pass `open()`'s check: a lone client keeps getting the one idle
+/// server session. Another client's prepared statements on that session then collide with the
+/// store's. The store's statement fails with the typed error naming the mode, not with the
+/// server's "prepared statement already exists".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_statement_taken_behind_a_transaction_pooler_names_the_mode() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    use pgfence::tokio_postgres::NoTls;
+    let bouncer = bouncer(PoolMode::Transaction);
+    let config = bouncer.config_via(&common::server().config());
+    let (other, connection) = config.connect(NoTls).await.expect("connect through pgbouncer");
+    let driver = tokio::spawn(connection);
+    // The driver names statements s0, s1, ... per process. This client takes the next names
+    // on the pooler's only server session, as another process's driver would.
+    other.prepare("SELECT 1").await.expect("prepare");
+    let numbered = "SELECT max(substr(name, 2)::int) FROM pg_prepared_statements \
+                    WHERE name ~ '^s[0-9]+$'";
+    let next: i32 = other.query_one(numbered, &[]).await.expect("the last name").get(0);
+    let next = usize::try_from(next).expect("a statement number");
+    let taken: String =
+        (next + 1..next + 5_000).map(|n| format!("PREPARE s{n} AS SELECT 1;")).collect();
+    other.batch_execute(&taken).await.expect("prepare the next names");
+
+    // A pool of one: open()'s check has no second connection to compare with.
+    let pool = Pool::builder(Manager::new(config, NoTls)).max_size(1).build().expect("pool");
+    let t = table("bouncer_txn_taken");
+    let opened =
+        within("open", PgKvStore::builder_from_pool(pool).table(&t).lease_ttl(TTL).open()).await;
+    let e = opened.expect_err("the store's prepared statement is taken");
+    assert!(matches!(e, Error::PoolerModeUnsupported { pool_mode: "transaction" }), "{e:?}");
+    assert!(e.to_string().contains("session mode"), "{e}");
+    drop(other);
+    driver.await.expect("the driver task").expect("the connection ended cleanly");
+}
