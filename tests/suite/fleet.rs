@@ -257,3 +257,37 @@ async fn a_broken_renewal_connection_is_made_again_for_every_lease() {
     }
     within("fleet close", fleet.close()).await;
 }
+
+/// A fleet's builder opens a standby, a blocking store and an inspector as a builder alone
+/// does. The standby waits while another store of the fleet holds the table, and takes over
+/// when that store closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_blocking_and_inspect_work_on_a_fleet() {
+    let app = table("fleetkinds");
+    let fleet = fleet(&app, 4);
+    let t = table("fleetkinds_s");
+    let holder = within("open", fleet.builder(&t).open()).await.unwrap();
+    holder.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+    let standby = tokio::spawn(fleet.builder(&t).open_when_available());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!standby.is_finished(), "the standby waits while the lease is held");
+    let inspector = within("inspect", fleet.builder(&t).inspect()).await.unwrap();
+    assert_eq!(inspector.lease_info().await.unwrap().expect("a lease row").epoch, 1);
+    holder.close().await.unwrap();
+    let successor = within("takeover", standby).await.unwrap().expect("the standby opens");
+    assert_eq!(successor.fencing_token(), 2);
+    assert_eq!(successor.read("p", "s", "k").await.unwrap(), b"v");
+
+    let b = table("fleetkinds_b");
+    let builder = fleet.builder(&b);
+    let blocking = tokio::task::spawn_blocking(move || {
+        let store = builder.open_blocking()?;
+        store.write("p", "s", "k", b"sync".to_vec())?;
+        store.close()
+    });
+    within("blocking store", blocking).await.unwrap().expect("a blocking store in the fleet");
+    successor.write("p", "s", "k2", b"on".to_vec()).await.expect("the other store goes on");
+    successor.close().await.unwrap();
+    within("fleet close", fleet.close()).await;
+    common::wait_until_no_sessions(&app).await;
+}
