@@ -5,6 +5,9 @@
 //! connection. So a busy or blocked application runtime, or an exhausted pool, can never delay
 //! it. And the release on drop never depends on the caller's runtime. Otherwise dropping a
 //! store inside a current-thread runtime would deadlock on its own I/O.
+//!
+//! A fleet's stores run the same loop as tasks on one such thread, over one shared connection
+//! (see [`super::fleet`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -277,8 +280,8 @@ fn step(now: Duration, next_renewal: Duration, deadline: Duration) -> Step {
 /// over about a second later, not at the expiry.
 ///
 /// A loss that renewal found applies the loss policy after the first release attempt. `Panic`
-/// ends the thread there, unanswered (see [`Keeper::ended`]). Then the thread waits for the
-/// store to shut it down.
+/// ends the thread (a fleet's task) there, unanswered (see [`Keeper::ended`]). Otherwise the
+/// loop waits for the store to shut it down.
 async fn run(
     lease: Arc<Lease>,
     config: KeeperConfig,
