@@ -33,6 +33,9 @@ mod inspect;
 // (options, checks and every opener), the `Standby` and the `blocking` store.
 mod store;
 
+// Many stores sharing one pool and one renewal thread: a way to open stores, above them.
+mod fleet;
+
 #[cfg(any(feature = "ldk", feature = "ldk-0_2"))]
 pub mod ldk;
 pub mod shutdown;
@@ -41,6 +44,7 @@ pub use connect::{tls_client_config, tls_client_config_with_cert};
 /// The pool crate `builder_from_pool` takes, re-exported so versions always match.
 pub use deadpool_postgres;
 pub use error::{ConnectStep, Error, KeyPath, LossReason, Result};
+pub use fleet::Fleet;
 pub use inspect::{Entries, Entry, Inspector};
 pub use keys::{MAX_BATCH_BYTES, MAX_KEY_LEN, check_key};
 pub use lease::{LeaseLossPolicy, LeaseState};

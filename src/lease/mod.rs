@@ -2,11 +2,13 @@
 //! release.
 //!
 //! Its state is published on [`crate::PgKvStore::lease_state`]. The renewal thread that keeps
-//! the lease and releases it is in [`keeper`].
+//! the lease and releases it is in [`keeper`]; a fleet's shared renewal thread in [`fleet`].
 
+mod fleet;
 mod keeper;
 mod policy;
 
+pub(crate) use fleet::Renewer;
 pub(crate) use keeper::{Connector, Keeper, KeeperConfig};
 pub use policy::LeaseLossPolicy;
 

@@ -23,7 +23,8 @@ pub enum LeaseLossPolicy {
     /// Otherwise that thread ends, and [`crate::PgKvStore::close`] returns
     /// [`Error::LeaseLost`](crate::Error::LeaseLost). The release is then not retried, as `FailClosed` would. A loss found
     /// where no caller can be told (a write's task dropped mid-statement when its runtime shut
-    /// down) panics in the next operation.
+    /// down) panics in the next operation. In a [`crate::Fleet`], renewal's panic ends that
+    /// store's renewal task, not the fleet's thread: the other stores renew on.
     Panic,
     /// Log at error level, then `std::process::abort()`: nothing of the process runs on. This
     /// includes a loss found when a write's task is dropped mid-statement. So shutting down a

@@ -69,6 +69,17 @@ pub struct Builder {
     pub(crate) application_name: String,
     pub(crate) write_concurrency: usize,
     pub(crate) tls: Tls,
+    /// The fleet this builder opens stores in (see [`crate::Fleet::builder`]); `None` for a
+    /// store with a pool and a renewal thread of its own.
+    pub(crate) fleet: Option<FleetShare>,
+}
+
+/// What the stores of a fleet share: its pool and its renewal thread. Weak, so that a builder
+/// kept around does not keep a closed fleet's thread running.
+#[derive(Debug, Clone)]
+pub(crate) struct FleetShare {
+    pub(crate) pool: connect::Pool,
+    pub(crate) renewer: std::sync::Weak<crate::lease::Renewer>,
 }
 
 /// Defaults, also documented on the setters.
@@ -138,6 +149,7 @@ impl Builder {
             application_name: default_application_name(),
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
             tls: Tls::default(),
+            fleet: None,
         }
     }
 
@@ -174,6 +186,8 @@ impl Builder {
 
     /// Connections in the store's pool (default 8); ignored with
     /// [`crate::PgKvStore::builder_from_pool`]. The renewal task always has its own connection.
+    /// For a [`crate::Fleet`], the size of the pool all its stores share; ignored on a
+    /// builder from [`crate::Fleet::builder`].
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size;
         self
@@ -423,6 +437,9 @@ impl Builder {
     /// The pool the store's operations use: built from the configuration (fast recycling:
     /// a broken connection is noticed on use and retried), or the one supplied.
     pub(crate) fn pool(&self) -> Result<connect::Pool> {
+        if let Some(fleet) = &self.fleet {
+            return Ok(fleet.pool.clone());
+        }
         let config = match &self.source {
             Source::Config(_) => self.connection_config().expect("a config source"),
             Source::Pool(pool) => return Ok(connect::Pool::new(pool.clone(), None)),

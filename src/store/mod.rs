@@ -13,7 +13,7 @@ mod standby;
 mod stats;
 
 pub use builder::Builder;
-pub(crate) use builder::Source;
+pub(crate) use builder::{FleetShare, Source};
 pub use standby::{Standby, StandbyState};
 pub use stats::Stats;
 

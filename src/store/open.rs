@@ -74,6 +74,11 @@ async fn open_here(
 ) -> Result<PgKvStore> {
     let statements = Statements::new(&table);
     let deadline_after = builder.deadline();
+    // A fleet closed or dropped opens nothing more: its renewal thread may be gone.
+    let fleet = match &builder.fleet {
+        Some(share) => Some(share.renewer.upgrade().ok_or(Error::Closed)?),
+        None => None,
+    };
     let pool = builder.pool()?;
     let (connector, config) = match &builder.source {
         Source::Config(_) => {
@@ -173,7 +178,11 @@ async fn open_here(
         connect_timeout: builder.connect_timeout,
         release_timeout: builder.drop_timeout,
     };
-    let keeper = match Keeper::spawn(Arc::clone(&lease), keeper_config) {
+    let spawned = match &fleet {
+        Some(fleet) => Ok(Keeper::spawn_in(fleet, Arc::clone(&lease), keeper_config)),
+        None => Keeper::spawn(Arc::clone(&lease), keeper_config),
+    };
+    let keeper = match spawned {
         Ok(keeper) => keeper,
         Err(e) => {
             // No renewal means no lease: give it back now rather than by TTL, whether or not
@@ -239,7 +248,8 @@ async fn open_here(
     Ok(PgKvStore {
         exec: Arc::new(Executor {
             pool,
-            owns_pool: !matches!(builder.source, Source::Pool(_)),
+            // A fleet's pool is the fleet's to close.
+            owns_pool: builder.fleet.is_none() && !matches!(builder.source, Source::Pool(_)),
             table,
             statements,
             lease,

@@ -21,6 +21,7 @@ mod coalesce;
 mod conformance;
 mod failover;
 mod faults;
+mod fleet;
 mod harness;
 mod hazards;
 mod hung_server;
