@@ -1,10 +1,12 @@
 //! A store that LDK nodes really wrote, moved into pgfence, with its channel monitors read back.
 //!
 //! Two nodes of LDK's functional test utilities open two channels, pay each other, and
-//! force-close one channel. Each node persists its monitors to a `FilesystemStore` of its own.
+//! force-close one channel. Each node persists its monitors to a `FilesystemStore` of its own:
+//! node 0 whole at every update, node 1 through a `MonitorUpdatingPersister`.
 //! Then the nodes stop, and each store moves into tables the ways an operator moves a node:
 //! LDK's `migrate_kv_store_data` into an `LdkStore`, and (feature `ldk-import`) the CLI's
-//! `pgfence import --from-ldk-fs DIR`. LDK's `read_channel_monitors` reads every table back.
+//! `pgfence import --from-ldk-fs DIR`. LDK reads every table back (`read_channel_monitors`, and
+//! `read_all_channel_monitors_with_updates` for node 1).
 //! Each monitor must come back whole: the same channel id, latest update id, funding outpoint and
 //! stored bytes as read from the directory, and the update id the live node last had.
 //!
@@ -108,19 +110,46 @@ macro_rules! moved_node_tests {
         use crate::sync_support::guarded;
         use ldk::events::ClosureReason;
         use ldk::ln::functional_test_utils::{
-            check_added_monitors, check_closed_broadcast, connect_block,
+            TestChanMonCfg, check_added_monitors, check_closed_broadcast, connect_block,
             create_announced_chan_between_nodes, create_chanmon_cfgs, create_dummy_block,
             create_network, create_node_cfgs, create_node_chanmgrs, send_payment,
         };
-        use ldk::util::persist::{KVStoreSync, migrate_kv_store_data, read_channel_monitors};
-        use ldk::util::test_utils::{SyncPersist, TestChainMonitor, TestKeysInterface};
+        use ldk::util::persist::{
+            KVStoreSync, MonitorUpdatingPersister, migrate_kv_store_data, read_channel_monitors,
+        };
+        use ldk::util::test_utils::{SyncPersist, TestChainMonitor};
         use pgfence::ldk::LdkStore;
 
         use super::{Contents, Monitors, assert_same_monitors};
 
-        /// The monitors `store` holds, as LDK reads them at start-up.
-        fn monitors<K: KVStoreSync>(store: &K, keys: &TestKeysInterface) -> Monitors {
-            let read = read_channel_monitors(store, keys, keys).expect("read_channel_monitors");
+        /// Updates node 1's `MonitorUpdatingPersister` keeps as entries of their own before it
+        /// writes a whole monitor again.
+        const PENDING_UPDATES: u64 = 3;
+
+        /// The `MonitorUpdatingPersister` of node `cfg` over `store`.
+        macro_rules! updating_persister {
+            ($store:expr, $cfg:expr) => {
+                MonitorUpdatingPersister::new(
+                    $store,
+                    &$cfg.logger,
+                    PENDING_UPDATES,
+                    &$cfg.keys_manager,
+                    &$cfg.keys_manager,
+                    &$cfg.tx_broadcaster,
+                    &$cfg.fee_estimator,
+                )
+            };
+        }
+
+        /// The monitors `store` holds, as LDK reads them at start-up. Node 0 persists whole
+        /// monitors (`read_channel_monitors`); node 1 persists through a
+        /// `MonitorUpdatingPersister`, so its monitors are read with their updates applied.
+        fn monitors<K: KVStoreSync>(store: &K, node: usize, cfg: &TestChanMonCfg) -> Monitors {
+            let read = match node {
+                0 => read_channel_monitors(store, &cfg.keys_manager, &cfg.keys_manager),
+                _ => updating_persister!(store, cfg).read_all_channel_monitors_with_updates(),
+            };
+            let read = read.expect("read the channel monitors");
             let channels = read.iter().map(|(_, monitor)| {
                 let summary =
                     (monitor.get_latest_update_id(), format!("{:?}", monitor.get_funding_txo()));
@@ -144,9 +173,9 @@ macro_rules! moved_node_tests {
         }
 
         /// The table `table`, opened as an `LdkStore`: its monitors and all its contents.
-        fn read_table(table: &str, keys: &TestKeysInterface) -> (Monitors, Contents) {
+        fn read_table(table: &str, node: usize, cfg: &TestChanMonCfg) -> (Monitors, Contents) {
             let store = LdkStore::open(common::builder(table)).expect("open the moved table");
-            let found = (monitors(&store, keys), contents(&store));
+            let found = (monitors(&store, node, cfg), contents(&store));
             store.close().expect("close");
             found
         }
@@ -157,7 +186,7 @@ macro_rules! moved_node_tests {
             node: usize,
             #[cfg_attr(not(feature = "ldk-import"), allow(dead_code))] // The CLI reads it.
             dir: &'a Path,
-            keys: &'a TestKeysInterface,
+            cfg: &'a TestChanMonCfg,
             monitors: Monitors,
             contents: Contents,
             live: BTreeMap<String, u64>,
@@ -183,7 +212,7 @@ macro_rules! moved_node_tests {
         }
 
         fn compare(how: &str, table: &str, left: &Left<'_>) {
-            let (moved, moved_contents) = read_table(table, left.keys);
+            let (moved, moved_contents) = read_table(table, left.node, left.cfg);
             assert_same_monitors(how, &moved, &left.monitors, &left.live);
             assert!(moved_contents == left.contents, "{how}: every key and value");
         }
@@ -196,9 +225,11 @@ macro_rules! moved_node_tests {
                 let dirs = [TempDir::new("ldkchan-0"), TempDir::new("ldkchan-1")];
                 let (mut fs_0, mut fs_1) = (open_fs0(&dirs[0].0), open_fs1(&dirs[1].0));
                 let chanmon_cfgs = create_chanmon_cfgs(2);
+                let updating = updating_persister!(&fs_1, &chanmon_cfgs[1]);
                 let mut node_cfgs = create_node_cfgs(2, &chanmon_cfgs);
-                // Every monitor and every update is written to the node's directory.
-                let persisters: [&dyn SyncPersist; 2] = [&fs_0, &fs_1];
+                // Node 0 writes the whole monitor at every update. Node 1 writes most updates as
+                // entries of their own (`monitor_updates`), as nodes with large monitors do.
+                let persisters: [&dyn SyncPersist; 2] = [&fs_0, &updating];
                 for (i, cfg) in chanmon_cfgs.iter().enumerate() {
                     node_cfgs[i].chain_monitor = TestChainMonitor::new(
                         Some(&cfg.chain_source),
@@ -257,24 +288,27 @@ macro_rules! moved_node_tests {
                             })
                             .collect();
                         assert_eq!(live.len(), 2, "node {i}: two channels");
-                        assert!(live.values().all(|&id| id > 0), "node {i}: updated: {live:?}");
-                        let keys = &chanmon_cfgs[i].keys_manager;
+                        assert!(live.values().any(|&id| id > 0), "node {i}: updated: {live:?}");
+                        let cfg = &chanmon_cfgs[i];
                         let (from_dir, all) = match i {
-                            0 => (monitors(&fs_0, keys), contents(&fs_0)),
-                            _ => (monitors(&fs_1, keys), contents(&fs_1)),
+                            0 => (monitors(&fs_0, 0, cfg), contents(&fs_0)),
+                            _ => (monitors(&fs_1, 1, cfg), contents(&fs_1)),
                         };
                         // The directory holds what the node last had, before anything moves.
                         let on_disk: BTreeMap<String, u64> =
                             from_dir.channels.iter().map(|(c, (id, _))| (c.clone(), *id)).collect();
                         assert_eq!(on_disk, live, "node {i}'s directory: the latest updates");
                         let dir = &dirs[i].0;
-                        Left { node: i, dir, keys, monitors: from_dir, contents: all, live }
+                        Left { node: i, dir, cfg, monitors: from_dir, contents: all, live }
                     })
                     .collect();
                 // The nodes stop before their stores move: a move never runs beside a node.
                 drop(nodes);
                 drop(node_chanmgrs);
                 drop(node_cfgs);
+                drop(updating);
+                let updates = left[1].contents.keys().filter(|(p, _, _)| p == "monitor_updates");
+                assert!(updates.count() > 0, "node 1 left monitor updates apart from its monitors");
                 move_and_compare(&mut fs_0, &left[0]);
                 move_and_compare(&mut fs_1, &left[1]);
             });
