@@ -126,7 +126,8 @@ macro_rules! moved_node_tests {
         /// writes a whole monitor again.
         const PENDING_UPDATES: u64 = 3;
 
-        /// The `MonitorUpdatingPersister` of node `cfg` over `store`.
+        /// The `MonitorUpdatingPersister` of node `cfg` over `store`. A macro, not a function:
+        /// the persister's type has six parameters, with bounds that differ between the lines.
         macro_rules! updating_persister {
             ($store:expr, $cfg:expr) => {
                 MonitorUpdatingPersister::new(
