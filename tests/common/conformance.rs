@@ -917,3 +917,68 @@ impl Kv for BatchKv {
         self.native.close()
     }
 }
+
+/// A store whose calls block until done: `pgfence::blocking::PgKvStore`, and `LdkStore` through
+/// the sync traits of either `lightning` line. [`Blocking`] makes any of them a [`Facade`].
+pub trait BlockingStore: Clone + Send + Sync + 'static {
+    fn read(&self, p: &str, s: &str, k: &str) -> io::Result<Vec<u8>>;
+    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> io::Result<()>;
+    fn remove(&self, p: &str, s: &str, k: &str) -> io::Result<()>;
+    fn list(&self, p: &str, s: &str) -> io::Result<Vec<String>>;
+    fn list_page(&self, p: &str, s: &str, token: Option<String>) -> io::Result<PageOut>;
+    fn list_all(&self) -> io::Result<Vec<(String, String, String)>>;
+    fn fencing_token(&self) -> i64;
+    fn close(&self) -> io::Result<()>;
+}
+
+/// The facade of a [`BlockingStore`], opened with the blocking function it holds. Every call,
+/// the opening included, blocks inside its future, in whatever context polls it.
+pub struct Blocking<S>(pub fn(Builder) -> pgfence::Result<S>);
+
+/// An open store of [`Blocking`].
+pub struct BlockingKv<S>(S, usize);
+
+impl<S: BlockingStore> Facade for Blocking<S> {
+    fn open(&self, builder: Builder, page: usize) -> BoxFut<'static, Box<dyn Kv>> {
+        let open = self.0;
+        Box::pin(async move { Ok(Box::new(BlockingKv(open(builder)?, page)) as Box<dyn Kv>) })
+    }
+}
+
+impl<S: BlockingStore> Kv for BlockingKv<S> {
+    fn caps(&self) -> Caps {
+        // A call takes its place in the key's order when it runs: when its future is polled.
+        Caps { ordered_at_call: false, lazy: false, page_size: self.1 }
+    }
+    fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
+        Box::pin(async move { self.0.read(p, s, k) })
+    }
+    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> BoxFut<'static, ()> {
+        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
+        Box::pin(async move { store.write(&p, &s, &k, v) })
+    }
+    fn remove(&self, p: &str, s: &str, k: &str) -> BoxFut<'static, ()> {
+        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
+        Box::pin(async move { store.remove(&p, &s, &k) })
+    }
+    fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
+        Box::pin(async move { self.0.list(p, s) })
+    }
+    fn list_page<'a>(
+        &'a self,
+        p: &'a str,
+        s: &'a str,
+        token: Option<String>,
+    ) -> BoxFut<'a, PageOut> {
+        Box::pin(async move { self.0.list_page(p, s, token) })
+    }
+    fn list_all(&self) -> BoxFut<'_, Vec<(String, String, String)>> {
+        Box::pin(async move { self.0.list_all() })
+    }
+    fn fencing_token(&self) -> i64 {
+        self.0.fencing_token()
+    }
+    fn close(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move { self.0.close() })
+    }
+}

@@ -3,6 +3,7 @@
 
 pub mod conformance;
 pub mod errors;
+pub mod ldk;
 
 use std::time::Duration;
 
@@ -372,4 +373,22 @@ pub async fn revoke_terminate(superuser: &tokio_postgres::Client) {
         ))
         .await
         .unwrap();
+}
+
+/// A fresh directory under the system's temporary one, removed with everything in it when
+/// dropped, also when the test panics.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let path = std::env::temp_dir().join(unique_name(prefix));
+        std::fs::create_dir_all(&path).expect("create a temporary directory");
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -6,10 +6,11 @@
 use crate::common;
 use crate::sync_support;
 
+use std::io;
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Duration;
 
-use common::conformance::{BoxFut, Caps, Facade, Kv, PageOut, Setup, check_contract};
+use common::conformance::{Blocking, BlockingStore, PageOut, Setup, check_contract};
 use pgfence::blocking::PgKvStore;
 use pgfence::{LeaseLossPolicy, LeaseState, PageToken};
 use pgfence_testing::Proxy;
@@ -17,62 +18,39 @@ use sync_support::{Where, guarded, run_in};
 
 const PAGE: usize = 7;
 
-/// The conformance suite's view of the blocking facade: each call blocks inside the future, in
-/// whatever context polls it.
-struct Blocking;
-
-struct BlockingKv(PgKvStore, usize);
-
-impl Facade for Blocking {
-    fn open(&self, builder: pgfence::Builder, page: usize) -> BoxFut<'static, Box<dyn Kv>> {
-        Box::pin(async move { Ok(Box::new(BlockingKv(builder.open_blocking()?, page)) as _) })
+/// The facade in the conformance suite: each call goes to the inherent method of the same name.
+impl BlockingStore for PgKvStore {
+    fn read(&self, p: &str, s: &str, k: &str) -> io::Result<Vec<u8>> {
+        Ok(PgKvStore::read(self, p, s, k)?)
     }
-}
-
-impl Kv for BlockingKv {
-    fn caps(&self) -> Caps {
-        Caps { ordered_at_call: false, lazy: false, page_size: self.1 }
+    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> io::Result<()> {
+        Ok(PgKvStore::write(self, p, s, k, v)?)
     }
-    fn read<'a>(&'a self, p: &'a str, s: &'a str, k: &'a str) -> BoxFut<'a, Vec<u8>> {
-        Box::pin(async move { Ok(self.0.read(p, s, k)?) })
+    fn remove(&self, p: &str, s: &str, k: &str) -> io::Result<()> {
+        Ok(PgKvStore::remove(self, p, s, k, false)?)
     }
-    fn write(&self, p: &str, s: &str, k: &str, v: Vec<u8>) -> BoxFut<'static, ()> {
-        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
-        Box::pin(async move { Ok(store.write(&p, &s, &k, v)?) })
+    fn list(&self, p: &str, s: &str) -> io::Result<Vec<String>> {
+        Ok(PgKvStore::list(self, p, s)?)
     }
-    fn remove(&self, p: &str, s: &str, k: &str) -> BoxFut<'static, ()> {
-        let (store, p, s, k) = (self.0.clone(), p.to_owned(), s.to_owned(), k.to_owned());
-        Box::pin(async move { Ok(store.remove(&p, &s, &k, false)?) })
+    fn list_page(&self, p: &str, s: &str, token: Option<String>) -> io::Result<PageOut> {
+        let page = self.list_paginated(p, s, token.map(PageToken::new))?;
+        Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
     }
-    fn list<'a>(&'a self, p: &'a str, s: &'a str) -> BoxFut<'a, Vec<String>> {
-        Box::pin(async move { Ok(self.0.list(p, s)?) })
-    }
-    fn list_page<'a>(
-        &'a self,
-        p: &'a str,
-        s: &'a str,
-        token: Option<String>,
-    ) -> BoxFut<'a, PageOut> {
-        Box::pin(async move {
-            let page = self.0.list_paginated(p, s, token.map(PageToken::new))?;
-            Ok((page.keys, page.next_page_token.map(|t| t.as_str().to_owned())))
-        })
-    }
-    fn list_all(&self) -> BoxFut<'_, Vec<(String, String, String)>> {
-        Box::pin(async move { Ok(self.0.list_all_keys()?) })
+    fn list_all(&self) -> io::Result<Vec<(String, String, String)>> {
+        Ok(self.list_all_keys()?)
     }
     fn fencing_token(&self) -> i64 {
-        self.0.fencing_token()
+        PgKvStore::fencing_token(self)
     }
-    fn close(&self) -> BoxFut<'_, ()> {
-        Box::pin(async move { Ok(self.0.close()?) })
+    fn close(&self) -> io::Result<()> {
+        Ok(PgKvStore::close(self)?)
     }
 }
 
 /// Runs the whole suite in `place`: every store is opened, used, closed or dropped there.
 fn conformance_in(place: Where) {
     run_in(place, "blocking conformance", || async {
-        check_contract(&Setup::new(Blocking, Some(PAGE), |b| b)).await;
+        check_contract(&Setup::new(Blocking(PgKvStore::open), Some(PAGE), |b| b)).await;
     });
 }
 

@@ -28,6 +28,7 @@ mod hung_server;
 mod input;
 mod ldk;
 mod ldk_0_2;
+mod ldk_channels;
 mod lease;
 mod pgbouncer;
 mod release;
