@@ -149,8 +149,12 @@ impl Coalescer {
     ) -> Result<()> {
         // Below `write_concurrency` a statement is free: run at once, without queueing. A
         // released permit goes to a waiting caller first, so a free one means nobody waits.
+        //
+        // Each statement's future is boxed (here and below), allocated only when it runs. Not
+        // boxed, its several KB (pool, driver, retries) would be part of every write's future,
+        // also of the many waiting in the queue: that was most of their memory.
         if let Ok(_permit) = self.statements.try_acquire() {
-            return apply_alone(exec, path, &mutation).await;
+            return Box::pin(apply_alone(exec, path, &mutation)).await;
         }
         // A store that has lost its lease fails at once. It does not queue behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
@@ -179,7 +183,7 @@ impl Coalescer {
                         break; // Ours is in another caller's statement.
                     }
                     waiting.carrying_own = carries_own;
-                    self.run_group(exec, group).await;
+                    Box::pin(self.run_group(exec, group)).await;
                     waiting.carrying_own = false;
                 }
             }
@@ -205,7 +209,7 @@ impl Coalescer {
             Ok(Outcome::Alone(mutation)) => {
                 let _permit =
                     self.statements.acquire().await.expect("the semaphore is never closed");
-                apply_alone(exec, path, &mutation).await
+                Box::pin(apply_alone(exec, path, &mutation)).await
             }
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
