@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use pgfence::{PageToken, PgKvStore};
 use pgfence_testing::{Proxy, TestCluster, unique_name};
-use support::{Baseline, BoxError, NS, SUB};
+use support::{Baseline, BoxError, NS, SUB, json_str};
 use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: scale [--rows 1000,100000,10000000] [--samples 300] \
@@ -97,24 +97,7 @@ fn parse_args() -> Result<Option<Args>, String> {
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(message) => {
-            eprintln!("{message}");
-            std::process::exit(2);
-        }
-    };
-    if cfg!(debug_assertions) {
-        eprintln!("warning: a debug build; its figures are not the library's: use --release");
-    }
-    if let Err(e) = run(&args) {
-        eprintln!("scale failed: {e}");
-        std::process::exit(1);
-    }
+    support::main("scale", USAGE, parse_args(), |args| run(&args));
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
@@ -572,21 +555,4 @@ impl BatchRun {
             self.fenced_batch.len()
         )
     }
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
