@@ -45,7 +45,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgfence::PgKvStore;
 use pgfence_testing::{Proxy, TestCluster, unique_name};
-use support::{Baseline, BoxError, NS, SUB, percentile};
+use support::{Baseline, BoxError, NS, SUB, json_str, percentile};
 use tokio::sync::watch;
 use tokio_postgres::config::Host;
 
@@ -53,10 +53,6 @@ const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
 [--variants unfenced,fenced,solo,naive] [--renew-probe-ms 50] [--sample-waits] \
 [--keys-per-writer 64] [--write-concurrency N]";
-
-/// Printed first by a debug build: its client-side overhead is many times a release build's.
-const DEBUG_WARNING: &str = "warning: a debug build; its latencies and ratios are not the \
-library's: run with --release for figures";
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -105,7 +101,7 @@ impl Variant {
     }
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
         concurrency: vec![1, 4, 16],
         value_size: 1024,
@@ -166,7 +162,7 @@ fn parse_args() -> Result<Args, String> {
             "--write-concurrency" => {
                 args.write_concurrency = Some(number(&flag, value(&flag)?)?.max(1) as usize)
             }
-            "-h" | "--help" => return Err(USAGE.into()),
+            "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
@@ -179,28 +175,11 @@ fn parse_args() -> Result<Args, String> {
                     give a socket directory as the host in --database-url or DATABASE_URL)"
             .into());
     }
-    Ok(args)
+    Ok(Some(args))
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(message) if message == USAGE => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(message) => {
-            eprintln!("{message}");
-            std::process::exit(2);
-        }
-    };
-    if cfg!(debug_assertions) {
-        eprintln!("{DEBUG_WARNING}");
-    }
-    if let Err(e) = run(args) {
-        eprintln!("bench failed: {e}");
-        std::process::exit(1);
-    }
+    support::main("bench", USAGE, parse_args(), run);
 }
 
 /// Where the server is, and what must stay alive (and be stopped at the end) to reach it.
@@ -932,20 +911,4 @@ impl Report<'_> {
 
 fn cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }

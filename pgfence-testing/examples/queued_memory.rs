@@ -3,8 +3,10 @@
 //! Spawns `PGFENCE_WRITES` (default 100,000) writes of `PGFENCE_VALUE` bytes (default 1,024)
 //! at once, each a distinct key, on a store behind a proxy that delays every message by
 //! 5 ms each way. It prints the peak resident memory (VmHWM) above the baseline, the values'
-//! own bytes, and the overhead per write. `PGFENCE_MAX_QUEUED` sets
-//! `Builder::max_queued_bytes`. Run: `cargo run --release --example queued_memory`.
+//! own bytes, the overhead per write, and the size of one write's future (held by its task
+//! here, on top of the store's own task per write). `PGFENCE_MAX_QUEUED` sets
+//! `Builder::max_queued_bytes`. Run: `cargo run --release -p pgfence-testing --example
+//! queued_memory`.
 
 use std::time::{Duration, Instant};
 
@@ -49,8 +51,11 @@ async fn main() {
     let baseline = peak_rss();
     let started = Instant::now();
     let mut set = tokio::task::JoinSet::new();
+    let mut future_size = 0;
     for i in 0..writes {
-        set.spawn(store.write("bench", "q", &format!("key{i:07}"), vec![i as u8; value]));
+        let write = store.write("bench", "q", &format!("key{i:07}"), vec![i as u8; value]);
+        future_size = std::mem::size_of_val(&write);
+        set.spawn(write);
     }
     let mut queued_peak = 0;
     let mut done = 0;
@@ -68,7 +73,7 @@ async fn main() {
     println!(
         "{writes} writes of {value} B, max_queued_bytes {}: {elapsed:.1?}; peak RSS {:.1} MiB \
          above a baseline of {:.1} MiB; values {:.1} MiB; overhead {} B per write; \
-         queued bytes seen up to {:.1} MiB",
+         queued bytes seen up to {:.1} MiB; a write's future {future_size} B",
         if bound > 0 { bound.to_string() } else { "default".into() },
         above as f64 / 1048576.0,
         baseline as f64 / 1048576.0,

@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release -p pgfence-testing --example scale -- [--rows 1000,100000,10000000]
 //!     [--samples 300] [--batch-delays-us 0,400] [--batch-rounds 200] [--no-table]
-//!     [--no-batch] [--json]
+//!     [--no-batch] [--cache os|cold|shared] [--shared-buffers 64MB] [--json]
 //! ```
 //!
 //! Table size, for each `--rows` N: a store opens a fresh table, and SQL fills it with N rows of
@@ -11,9 +11,20 @@
 //! autovacuum keeps). Then `--samples` rounds time, interleaved: a fenced `write` over an
 //! existing key, a `read`, a `remove` of a distinct existing key, and `list_paginated` at the
 //! first page and at the middle of the table. The query plan of both pages is printed
-//! (`EXPLAIN ANALYZE`). Last, `list_all_keys` runs once with its peak resident memory measured
-//! (`VmHWM` of /proc/self/status, reset through /proc/self/clear_refs first). The table is
-//! dropped after each size.
+//! (`EXPLAIN ANALYZE`). So is where a read's pages come from: `EXPLAIN (ANALYZE, BUFFERS)` of
+//! the store's read statement for 50 keys not read before, with `track_io_timing`. Last,
+//! `list_all_keys` runs once with its peak resident memory measured (`VmHWM` of
+//! /proc/self/status, reset through /proc/self/clear_refs first). The table is dropped after
+//! each size.
+//!
+//! Where the table's pages are when the samples start (`--cache`):
+//!
+//! - `os` (the default): wherever filling left them; mostly in the OS page cache.
+//! - `cold`: after a `CHECKPOINT`, the table's and its indexes' files are dropped from the OS
+//!   page cache (`dd iflag=nocache`). Reads then come from the disk, as for a table larger than
+//!   the RAM. Needs the server on this machine, its files readable by this process.
+//! - `shared`: `pg_prewarm` loads them into shared buffers. They fit only if `shared_buffers`
+//!   is larger than the table: `--shared-buffers` sets it on the private cluster (a restart).
 //!
 //! Batch, for each `--batch-delays-us` D (each way, through the harness's delay proxy): a
 //! fenced batch of 100 puts (`Batch::commit`), the same statement without the lease check on
@@ -32,11 +43,12 @@ use std::time::{Duration, Instant};
 
 use pgfence::{PageToken, PgKvStore};
 use pgfence_testing::{Proxy, TestCluster, unique_name};
-use support::{Baseline, BoxError, NS, SUB};
+use support::{Baseline, BoxError, NS, SUB, json_str};
 use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: scale [--rows 1000,100000,10000000] [--samples 300] \
-[--batch-delays-us 0,400] [--batch-rounds 200] [--no-table] [--no-batch] [--json]";
+[--batch-delays-us 0,400] [--batch-rounds 200] [--no-table] [--no-batch] \
+[--cache os|cold|shared] [--shared-buffers 64MB] [--json]";
 
 const VALUE_SIZE: usize = 1024;
 const BATCH: usize = 100;
@@ -50,6 +62,38 @@ SELECT key, created_seq FROM {kv}
  ORDER BY created_seq DESC
  LIMIT $4"#;
 
+/// The store's read statement (pgfence's `sql::READ`), for where its pages come from.
+const READ: &str = r#"
+SELECT value FROM {kv}
+ WHERE primary_namespace = $1 AND secondary_namespace = $2 AND key = $3"#;
+
+/// Reads of keys not read before, explained to count their buffers.
+const READ_PROBES: usize = 50;
+
+/// A table and its indexes: the files a read may touch.
+const RELATIONS: &str = r#"
+SELECT c.oid, pg_relation_filepath(c.oid) FROM pg_class c
+ WHERE c.oid = $1::text::regclass
+    OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass)"#;
+
+/// Where the table's pages are when the samples start (see the module docs).
+#[derive(Clone, Copy, PartialEq)]
+enum Cache {
+    Os,
+    Cold,
+    Shared,
+}
+
+impl Cache {
+    fn name(self) -> &'static str {
+        match self {
+            Cache::Os => "os",
+            Cache::Cold => "cold",
+            Cache::Shared => "shared",
+        }
+    }
+}
+
 struct Args {
     rows: Vec<i64>,
     samples: usize,
@@ -57,6 +101,8 @@ struct Args {
     batch_rounds: usize,
     table: bool,
     batch: bool,
+    cache: Cache,
+    shared_buffers: Option<String>,
     json: bool,
 }
 
@@ -68,6 +114,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         batch_rounds: 200,
         table: true,
         batch: true,
+        cache: Cache::Os,
+        shared_buffers: None,
         json: false,
     };
     let list = |v: Option<String>, name: &str| -> Result<Vec<u64>, String> {
@@ -88,6 +136,19 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--batch-rounds" => args.batch_rounds = list(it.next(), &flag)?[0].max(1) as usize,
             "--no-table" => args.table = false,
             "--no-batch" => args.batch = false,
+            "--cache" => {
+                args.cache = match it.next().as_deref() {
+                    Some("os") => Cache::Os,
+                    Some("cold") => Cache::Cold,
+                    Some("shared") => Cache::Shared,
+                    other => return Err(format!("--cache: os, cold or shared, not {other:?}")),
+                }
+            }
+            "--shared-buffers" => {
+                // Goes into postgresql.conf: a size like 64MB or 4GB, nothing else.
+                let size = it.next().filter(|v| v.chars().all(|c| c.is_ascii_alphanumeric()));
+                args.shared_buffers = Some(size.ok_or("--shared-buffers: a size like 4GB")?);
+            }
             "--json" => args.json = true,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -97,24 +158,7 @@ fn parse_args() -> Result<Option<Args>, String> {
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(message) => {
-            eprintln!("{message}");
-            std::process::exit(2);
-        }
-    };
-    if cfg!(debug_assertions) {
-        eprintln!("warning: a debug build; its figures are not the library's: use --release");
-    }
-    if let Err(e) = run(&args) {
-        eprintln!("scale failed: {e}");
-        std::process::exit(1);
-    }
+    support::main("scale", USAGE, parse_args(), |args| run(&args));
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
@@ -127,6 +171,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
             (cluster.config(), Some(cluster))
         }
     };
+    if let Some(size) = &args.shared_buffers {
+        let cluster = cluster.as_ref().ok_or("--shared-buffers is for the private cluster")?;
+        // The last line of postgresql.conf wins. shared_buffers takes a restart.
+        let conf = cluster.data_dir().join("postgresql.conf");
+        let text = std::fs::read_to_string(&conf)? + &format!("shared_buffers = '{size}'\n");
+        std::fs::write(&conf, text)?;
+        cluster.restart()?;
+    }
     // The delay proxies' tasks on a runtime of their own, as in the bench command.
     let proxies =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
@@ -158,11 +210,14 @@ async fn scale(
 ) -> Result<Report, BoxError> {
     let admin = connect(config).await?;
     let version: String = admin.query_one("SHOW server_version", &[]).await?.get(0);
+    let shared_buffers: String = admin.query_one("SHOW shared_buffers", &[]).await?.get(0);
     let mut text = format!(
-        "PostgreSQL {version}; {} CPUs; {}-byte values; {}\n",
+        "PostgreSQL {version}; {} CPUs; {}-byte values; {}; shared_buffers {shared_buffers}; \
+         cache {}\n",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         VALUE_SIZE,
-        if cfg!(debug_assertions) { "DEBUG BUILD" } else { "release build" }
+        if cfg!(debug_assertions) { "DEBUG BUILD" } else { "release build" },
+        args.cache.name()
     );
     let mut sizes = Vec::new();
     if args.table {
@@ -189,9 +244,11 @@ async fn scale(
     let sizes: Vec<String> = sizes.iter().map(Size::json).collect();
     let batches: Vec<String> = batches.iter().map(BatchRun::json).collect();
     let json = format!(
-        "{{\"server_version\":{},\"value_size\":{VALUE_SIZE},\"samples\":{},\"sizes\":[{}],\
-         \"batches\":[{}]}}",
+        "{{\"server_version\":{},\"shared_buffers\":{},\"cache\":{},\
+         \"value_size\":{VALUE_SIZE},\"samples\":{},\"sizes\":[{}],\"batches\":[{}]}}",
         json_str(&version),
+        json_str(&shared_buffers),
+        json_str(args.cache.name()),
         args.samples,
         sizes.join(","),
         batches.join(",")
@@ -223,6 +280,9 @@ struct Size {
     first_page: Vec<Duration>,
     middle_page: Vec<Duration>,
     plans: Vec<(String, String)>,
+    /// Per read, averaged over [`READ_PROBES`]: shared buffers hit and read (from outside
+    /// them), ms spent reading them, and the execution time in ms.
+    read_buffers: [f64; 4],
     list_all: Duration,
     list_all_peak: u64,
 }
@@ -265,6 +325,15 @@ async fn table_size(
         gb(table_bytes),
         fill.as_secs_f64()
     );
+    match args.cache {
+        Cache::Os => {}
+        Cache::Cold => evict(admin, table).await?,
+        Cache::Shared => {
+            admin.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm").await?;
+            let sql = format!("SELECT pg_prewarm(oid) FROM ({RELATIONS}) AS r");
+            admin.execute(&sql, &[&format!("\"{table}\"")]).await?;
+        }
+    }
 
     let mut size = Size {
         rows,
@@ -276,6 +345,7 @@ async fn table_size(
         first_page: Vec::new(),
         middle_page: Vec::new(),
         plans: Vec::new(),
+        read_buffers: [0.0; 4],
         list_all: Duration::ZERO,
         list_all_peak: 0,
     };
@@ -316,6 +386,23 @@ async fn table_size(
         size.middle_page.push(t.elapsed());
         assert!(!page.keys.is_empty(), "a page in the middle");
     }
+    // Where a read's pages come from. Keys not read by the samples, mostly.
+    admin.batch_execute("SET track_io_timing = on").await?;
+    let explain = format!(
+        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {}",
+        READ.replace("{kv}", &format!("\"{table}\""))
+    );
+    for i in 0..READ_PROBES {
+        let even = 2 * (1 + random(rows / 2));
+        let plan = admin.query(&explain, &[&NS, &SUB, &key(even)]).await?;
+        let plan: Vec<String> = plan.iter().map(|row| row.get(0)).collect();
+        for (sum, figure) in size.read_buffers.iter_mut().zip(read_figures(&plan)) {
+            *sum += figure / READ_PROBES as f64;
+        }
+        if i == 0 {
+            size.plans.push(("read".to_owned(), plan.join("\n")));
+        }
+    }
     let page_sql = LIST_PAGE.replace("{kv}", &format!("\"{table}\""));
     for (name, before) in [("first page", i64::MAX), ("middle page", rows / 2)] {
         let explain = format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {page_sql}");
@@ -337,6 +424,50 @@ async fn table_size(
     assert_eq!(listed, rows - removed.min(rows / 2), "list_all_keys lists every key left");
     store.close().await?;
     Ok(size)
+}
+
+/// Drops the files of `table` and its indexes from the OS page cache, after a `CHECKPOINT`
+/// wrote them out (the kernel keeps dirty pages).
+async fn evict(admin: &tokio_postgres::Client, table: &str) -> Result<(), BoxError> {
+    admin.batch_execute("CHECKPOINT").await?;
+    let dir: String = admin.query_one("SHOW data_directory", &[]).await?.get(0);
+    for relation in admin.query(RELATIONS, &[&format!("\"{table}\"")]).await? {
+        let path = format!("{dir}/{}", relation.get::<_, String>(1));
+        // Segments of 1 GB: `path`, `path.1`, `path.2`, ...
+        let segments = (0..).map(|n| if n == 0 { path.clone() } else { format!("{path}.{n}") });
+        for file in segments.take_while(|file| std::path::Path::new(file).exists()) {
+            let status = std::process::Command::new("dd")
+                .args([format!("if={file}").as_str(), "iflag=nocache", "count=0", "status=none"])
+                .status()?;
+            if !status.success() {
+                return Err(format!("dd could not drop {file} from the page cache").into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// From an `EXPLAIN (ANALYZE, BUFFERS)` of a read: shared buffers hit and read, ms spent
+/// reading (`track_io_timing`), and the execution time in ms. The first of each is the top
+/// node's, which counts its children's.
+fn read_figures(plan: &[String]) -> [f64; 4] {
+    let after = |line: &str, label: &str| -> f64 {
+        line.split(label)
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !(c.is_ascii_digit() || c == '.')).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let line = |prefix: &str| plan.iter().map(|l| l.trim()).find(|l| l.starts_with(prefix));
+    let buffers = line("Buffers:").unwrap_or("");
+    let io = line("I/O Timings:").unwrap_or("");
+    let execution = line("Execution Time:").unwrap_or("");
+    [
+        after(buffers, "hit="),
+        after(buffers, "read="),
+        after(io, "read="),
+        after(execution, "Time: "),
+    ]
 }
 
 /// A field of /proc/self/status in KiB (0 if unreadable).
@@ -379,6 +510,12 @@ impl Size {
             let _ =
                 writeln!(out, "  {name:<12} {:>7.3} ({:.3})", median_ms(samples), p99_ms(samples));
         }
+        let [hit, read, read_ms, execution_ms] = self.read_buffers;
+        let _ = writeln!(
+            out,
+            "  a read, mean of {READ_PROBES} EXPLAIN ANALYZE: shared buffers hit {hit:.1}, read \
+             {read:.1} (in {read_ms:.3} ms); execution {execution_ms:.3} ms"
+        );
         let _ = writeln!(
             out,
             "  list_all_keys {:.2} s, peak resident memory +{:.0} MB ({:.0} B per key)",
@@ -424,12 +561,17 @@ impl Size {
             .map(|(name, plan)| format!("{}:{}", json_str(name), json_str(plan)))
             .collect();
         format!(
-            "{{\"rows\":{},\"table_bytes\":{},\"fill_s\":{:.1},{},\"list_all_s\":{:.3},\
+            "{{\"rows\":{},\"table_bytes\":{},\"fill_s\":{:.1},{},\"read_buffers\":{{\"hit\":{:.2},\
+             \"read\":{:.2},\"read_ms\":{:.4},\"execution_ms\":{:.4}}},\"list_all_s\":{:.3},\
              \"list_all_peak_bytes\":{},\"plans\":{{{}}}}}",
             self.rows,
             self.table_bytes,
             self.fill.as_secs_f64(),
             series.join(","),
+            self.read_buffers[0],
+            self.read_buffers[1],
+            self.read_buffers[2],
+            self.read_buffers[3],
             self.list_all.as_secs_f64(),
             self.list_all_peak,
             plans.join(",")
@@ -572,21 +714,4 @@ impl BatchRun {
             self.fenced_batch.len()
         )
     }
-}
-
-fn json_str(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }

@@ -32,6 +32,7 @@
 //!   `LeaseLost`, also if the store was closed meanwhile. A statement abandoned unanswered at
 //!   the local deadline is an example.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use tokio::sync::{Semaphore, oneshot};
@@ -53,9 +54,23 @@ const MAX_GROUP_BYTES: usize = 16 << 20;
 /// The queue of mutations waiting for a statement, and the statements that may run.
 #[derive(Debug)]
 pub(crate) struct Coalescer {
-    queue: Mutex<Vec<Queued>>,
+    queue: Mutex<Queue>,
     statements: Semaphore,
 }
+
+/// The mutations waiting for a statement, by place in line: oldest first.
+///
+/// Every caller looks up its own mutation each time it gets a statement permit. A map by
+/// place makes that O(log n). A scan by key path made n queued callers cost O(n²): 100,000
+/// queued writes took minutes (see BENCHMARKS.md, "Memory of queued writes").
+#[derive(Debug, Default)]
+struct Queue {
+    waiting: BTreeMap<Place, Queued>,
+    next: Place,
+}
+
+/// A mutation's place in the queue, in arrival order. Unique for the coalescer's life.
+type Place = u64;
 
 /// A mutation waiting in the queue, with the way back to its caller.
 #[derive(Debug)]
@@ -76,44 +91,51 @@ enum Outcome {
 
 impl Coalescer {
     pub(crate) fn new(statements: usize) -> Coalescer {
-        Coalescer { queue: Mutex::new(Vec::new()), statements: Semaphore::new(statements) }
+        Coalescer { queue: Mutex::new(Queue::default()), statements: Semaphore::new(statements) }
     }
 
-    fn push(&self, queued: Queued) {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(queued);
+    /// Queues a mutation behind those already waiting; returns its place.
+    fn push(&self, queued: Queued) -> Place {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let place = queue.next;
+        queue.next += 1;
+        queue.waiting.insert(place, queued);
+        place
     }
 
     /// Takes the caller's own mutation back out of the queue; false if a statement took it.
-    fn withdraw(&self, own: &KeyPath) -> bool {
+    fn withdraw(&self, own: Place) -> bool {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let position = queue.iter().position(|queued| queued.path == *own);
-        position.map(|i| queue.remove(i)).is_some()
+        queue.waiting.remove(&own).is_some()
     }
 
     /// Takes the oldest queued mutations, as many as one statement should carry.
     ///
     /// That is at least one, at most [`MAX_GROUP`] and, past the first, at most
     /// [`MAX_GROUP_BYTES`] of values. The rest stay queued for the next statement. It takes
-    /// nothing unless `own`, the caller's key, is still queued. A caller whose mutation is
-    /// already in a statement leaves the queue to the callers still in it.
-    fn take_group(&self, own: &KeyPath) -> Vec<Queued> {
+    /// nothing unless `own`, the caller's mutation, is still queued. A caller whose mutation is
+    /// already in a statement leaves the queue to the callers still in it. The group comes with
+    /// whether it carries `own`.
+    fn take_group(&self, own: Place) -> (Vec<Queued>, bool) {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        if !queue.iter().any(|queued| queued.path == *own) {
-            return Vec::new();
+        if !queue.waiting.contains_key(&own) {
+            return (Vec::new(), false);
         }
+        let mut group = Vec::new();
         let mut bytes = 0;
-        let mut len = 0;
-        for queued in queue.iter().take(MAX_GROUP) {
-            bytes += match &queued.mutation {
+        let mut carries_own = false;
+        while let Some(oldest) = queue.waiting.first_entry() {
+            bytes += match &oldest.get().mutation {
                 Mutation::Write(value) => value.len(),
                 Mutation::Remove => 0,
             };
-            if len > 0 && bytes > MAX_GROUP_BYTES {
+            if group.len() == MAX_GROUP || (!group.is_empty() && bytes > MAX_GROUP_BYTES) {
                 break;
             }
-            len += 1;
+            carries_own |= *oldest.key() == own;
+            group.push(oldest.remove());
         }
-        queue.drain(..len).collect()
+        (group, carries_own)
     }
 
     /// Applies one mutation while the caller holds its key's turn. It runs in a statement of
@@ -127,17 +149,21 @@ impl Coalescer {
     ) -> Result<()> {
         // Below `write_concurrency` a statement is free: run at once, without queueing. A
         // released permit goes to a waiting caller first, so a free one means nobody waits.
+        //
+        // Each statement's future is boxed (here and below), allocated only when it runs. Not
+        // boxed, its several KB (pool, driver, retries) would be part of every write's future,
+        // also of the many waiting in the queue: that was most of their memory.
         if let Ok(_permit) = self.statements.try_acquire() {
-            return apply_alone(exec, path, &mutation).await;
+            return Box::pin(apply_alone(exec, path, &mutation)).await;
         }
         // A store that has lost its lease fails at once. It does not queue behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
         // it: this operation was admitted before, and close() waits for it.)
         exec.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
-        self.push(Queued { path: path.clone(), mutation, done });
+        let place = self.push(Queued { path: path.clone(), mutation, done });
         let mut waiting =
-            Waiting { coalescer: self, lease: &exec.lease, path, carrying_own: false };
+            Waiting { coalescer: self, lease: &exec.lease, place, carrying_own: false };
         // While its mutation is queued, a caller competes for a statement. With one, it takes
         // the oldest queued mutations and runs them. Its own is among them unless more than a
         // group is queued. So whatever is queued always has a caller about to run it. Once its
@@ -152,12 +178,12 @@ impl Coalescer {
                 }
                 permit = self.statements.acquire() => {
                     let _permit = permit.expect("the semaphore is never closed");
-                    let group = self.take_group(path);
+                    let (group, carries_own) = self.take_group(place);
                     if group.is_empty() {
                         break; // Ours is in another caller's statement.
                     }
-                    waiting.carrying_own = group.iter().any(|queued| queued.path == *path);
-                    self.run_group(exec, group).await;
+                    waiting.carrying_own = carries_own;
+                    Box::pin(self.run_group(exec, group)).await;
                     waiting.carrying_own = false;
                 }
             }
@@ -183,7 +209,7 @@ impl Coalescer {
             Ok(Outcome::Alone(mutation)) => {
                 let _permit =
                     self.statements.acquire().await.expect("the semaphore is never closed");
-                apply_alone(exec, path, &mutation).await
+                Box::pin(apply_alone(exec, path, &mutation)).await
             }
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
@@ -276,7 +302,7 @@ impl Drop for Carried<'_> {
 struct Waiting<'a> {
     coalescer: &'a Coalescer,
     lease: &'a Lease,
-    path: &'a KeyPath,
+    place: Place,
     /// Whether the caller's mutation is in the statement this caller itself is running.
     carrying_own: bool,
 }
@@ -289,7 +315,7 @@ impl Waiting<'_> {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if self.coalescer.withdraw(self.path) {
+        if self.coalescer.withdraw(self.place) {
             return; // Still queued: it never runs.
         }
         // In this caller's own statement, whose guard (dropped before this) recorded it if it

@@ -85,6 +85,18 @@ impl Writes {
         ticket: Ticket,
         mutation: Mutation,
     ) -> Result<()> {
+        // Boxed: a write's future and the store's task for it hold a pointer, not this state.
+        // The compiler lays out a future moved into another one more than once. And 100,000
+        // queued writes hold one each (see BENCHMARKS.md, "Memory of queued writes").
+        Box::pin(self.mutate_in_turn(exec, ticket, mutation)).await
+    }
+
+    async fn mutate_in_turn(
+        &self,
+        exec: &Executor,
+        ticket: Ticket,
+        mutation: Mutation,
+    ) -> Result<()> {
         let Some(turn) = ticket.turn().await else {
             // A later call to this key is already committed: nothing to write. But a store
             // that has lost its lease still fails, as every key operation (and an all-superseded

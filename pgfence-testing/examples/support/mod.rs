@@ -1,9 +1,10 @@
-//! What the criterion bench (`benches/write_latency.rs` of pgfence) and the side-by-side bench
-//! command (`examples/bench.rs`) share; both include this file by `#[path]`. The baselines the
-//! fenced write is compared with, as raw SQL on the store's own table, over a pool configured
-//! like the store's.
-#![allow(dead_code)] // Each of the two users needs a different subset.
+//! What the criterion bench (`benches/write_latency.rs` of pgfence) and the bench commands
+//! (`examples/bench.rs`, `examples/scale.rs`) share; each includes this file by `#[path]`. The
+//! baselines the fenced write is compared with, as raw SQL on the store's own table, over a
+//! pool configured like the store's.
+#![allow(dead_code)] // Each user needs a different subset.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use pgfence::PgKvStore;
@@ -201,4 +202,51 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     }
     let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
     sorted[rank.min(sorted.len() - 1)]
+}
+
+/// The `main` of a bench command: `args` parsed (`None`: print the usage), then `run`.
+/// Exits with 2 on bad arguments and 1 when `run` fails.
+pub fn main<A>(
+    name: &str,
+    usage: &str,
+    args: Result<Option<A>, String>,
+    run: impl FnOnce(A) -> Result<(), BoxError>,
+) {
+    let args = match args {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            println!("{usage}");
+            return;
+        }
+        Err(message) => {
+            eprintln!("{message}");
+            std::process::exit(2);
+        }
+    };
+    if cfg!(debug_assertions) {
+        // A debug build's client-side overhead is many times a release build's.
+        eprintln!("warning: a debug build; its figures are not the library's: use --release");
+    }
+    if let Err(e) = run(args) {
+        eprintln!("{name} failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// `s` as a JSON string literal, quoted and escaped.
+pub fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
