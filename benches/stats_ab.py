@@ -122,19 +122,25 @@ def main():
 
     rounds = []
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    for r in range(args.rounds):
-        order = builds if r % 2 == 0 else builds[::-1]
-        figures = {}
-        for name, exe in order:
-            figures[name] = run_once(name, exe, args)
-        rounds.append(figures)
-        print(f"round {r + 1:2}: " + ", ".join(
-            f"{name} {us:.1f} µs (load {load:.1f})" for name, (us, load) in figures.items()),
-            flush=True)
+    try:
+        for r in range(args.rounds):
+            order = builds if r % 2 == 0 else builds[::-1]
+            figures = {}
+            for name, exe in order:
+                figures[name] = run_once(name, exe, args)
+            rounds.append(figures)
+            print(f"round {r + 1:2}: " + ", ".join(
+                f"{name} {us:.1f} µs (load {load:.1f})" for name, (us, load) in figures.items()),
+                flush=True)
+    except KeyboardInterrupt:
+        # Interrupted (SIGINT): the rounds done so far still make a summary.
+        print(f"interrupted after {len(rounds)} rounds", flush=True)
+        if not rounds:
+            raise
     ended = time.strftime("%H:%M UTC", time.gmtime())
 
     loads = [load for figures in rounds for _, load in figures.values()]
-    print(f"\ncommit {head[:7]}, {started}–{ended}, {args.rounds} rounds, "
+    print(f"\ncommit {head[:7]}, {started}–{ended}, {len(rounds)} rounds, "
           f"load average {min(loads):.1f}–{max(loads):.1f} (median "
           f"{statistics.median(loads):.1f})")
     base = [figures["without"][0] for figures in rounds]
