@@ -4,7 +4,8 @@ without the recordings of `PgKvStore::stats()`, in many short interleaved rounds
 
 The recordings cannot be switched off, so the baseline is a second build of the same commit:
 a worktree (target/nostats) with benches/no-stats.patch applied, which empties the recorder
-and drops the clock reads around each operation. Nothing else differs between the builds.
+and drops the clock reads around each operation. Nothing else differs between the builds. It
+builds into a target dir of its own (target/nostats/target), seeded from target/release.
 
 Each round runs every build once, in an order that alternates (AB, BA, ...), so a trend of the
 machine's load weighs on both alike. Every run starts its own private cluster. The figures:
@@ -28,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "target")
 WORKTREE = os.path.join(TARGET, "nostats")
+WORKTREE_TARGET = os.path.join(WORKTREE, "target")
 PATCH = os.path.join(ROOT, "benches", "no-stats.patch")
 
 
@@ -55,9 +57,29 @@ def prepare_worktree():
     return head
 
 
-def build(cwd, features):
-    """Builds the bench in `cwd` (into the shared target dir); returns the executable."""
-    env = dict(os.environ, CARGO_TARGET_DIR=TARGET, CARGO_INCREMENTAL="0")
+def seed_worktree_target():
+    """The worktree's own target dir, seeded with this checkout's release dependencies.
+
+    A target dir of its own: cargo names a path package's artifacts by its path relative to
+    the workspace, so in one shared target dir the two builds would overwrite each other, or
+    one would be taken for the other. The copied artifacts of pgfence itself would look newer
+    than the worktree's sources, so those are touched: cargo then rebuilds pgfence.
+    """
+    release = os.path.join(TARGET, "release")
+    seeded = os.path.join(WORKTREE_TARGET, "release")
+    if os.path.isdir(seeded) or not os.path.isdir(release):
+        return
+    os.makedirs(seeded)
+    for part in ("build", ".fingerprint", "deps"):
+        sh(["cp", "-a", os.path.join(release, part), seeded])
+    for top in ("src", "pgfence-testing", "benches", "Cargo.toml"):
+        sh(["find", os.path.join(WORKTREE, top), "-path", WORKTREE_TARGET, "-prune", "-o",
+            "-type", "f", "-exec", "touch", "{}", "+"])
+
+
+def build(cwd, target, features):
+    """Builds the bench in `cwd` into `target`; returns the executable."""
+    env = dict(os.environ, CARGO_TARGET_DIR=target, CARGO_INCREMENTAL="0")
     args = ["cargo", "bench", "--bench", "write_latency", "--no-run",
             "--message-format=json-render-diagnostics"]
     if features:
@@ -116,9 +138,13 @@ def main():
     args = parser.parse_args()
 
     head = prepare_worktree()
-    builds = [("without", build(WORKTREE, None)), ("with", build(ROOT, None))]
+    seed_worktree_target()
+    builds = [("without", build(WORKTREE, WORKTREE_TARGET, None)),
+              ("with", build(ROOT, TARGET, None))]
     if args.metrics:
-        builds.append(("with+metrics", build(ROOT, "metrics")))
+        builds.append(("with+metrics", build(ROOT, TARGET, "metrics")))
+    exes = [exe for _, exe in builds]
+    assert len(set(exes)) == len(exes), f"two builds made one executable: {exes}"
 
     rounds = []
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
