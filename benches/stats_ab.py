@@ -99,7 +99,7 @@ def run_once(name, exe, args):
     env = dict(os.environ, CRITERION_HOME=home)
     env.pop("DATABASE_URL", None)  # A private cluster per run, the same for every build.
     load = os.getloadavg()[0]
-    subprocess.run([exe, "--bench", "fenced_write", "--noplot", "--discard-baseline",
+    subprocess.run([exe, "--bench", "fenced_write", "--noplot",
                     "--warm-up-time", str(args.warm_up), "--measurement-time",
                     str(args.measurement), "--sample-size", str(args.samples)],
                    env=env, check=True, stdout=subprocess.DEVNULL)
