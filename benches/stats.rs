@@ -16,7 +16,8 @@
 //!   bounce between the cores' caches. Time per recording per thread. On a loaded machine the
 //!   two threads may seldom run at the same moment, so this may miss some of the contention.
 //! - `shared`: what one statement shared by several writes adds.
-//! - `renewal`: what one confirmed renewal records (once per `renew_interval`, 1 s by default).
+//! - `renewal`: what one confirmed renewal records (every `renew_interval`, 10 s by default),
+//!   and the time left that the renewal thread sets whenever it wakes (at least once a second).
 //! - `clock`: the two clock reads alone, for scale.
 //!
 //! Every figure is CPU time per recording (the thread's CPU clock), so the machine's load
