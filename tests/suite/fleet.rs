@@ -9,6 +9,12 @@ use std::time::Duration;
 use common::{admin, lease_table, server, steal_lease, table, within};
 use pgfence::{Error, Fleet, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
 
+// A fleet may be shared between threads (in an `Arc`), and moved to one.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Fleet>();
+};
+
 /// A fleet on the shared server with test timings: a local deadline (3 s of a 6 s TTL) that a
 /// test can outwait, renewal every 500 ms. Its sessions carry `application_name(app)`.
 fn fleet(app: &str, pool_size: usize) -> Fleet {
