@@ -9,6 +9,12 @@ use std::time::Duration;
 use common::{admin, lease_table, server, steal_lease, table, within};
 use pgfence::{Error, Fleet, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
 
+// A fleet may be shared between threads (in an `Arc`), and moved to one.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Fleet>();
+};
+
 /// A fleet on the shared server with test timings: a local deadline (3 s of a 6 s TTL) that a
 /// test can outwait, renewal every 500 ms. Its sessions carry `application_name(app)`.
 fn fleet(app: &str, pool_size: usize) -> Fleet {
@@ -290,4 +296,30 @@ async fn standby_blocking_and_inspect_work_on_a_fleet() {
     successor.close().await.unwrap();
     within("fleet close", fleet.close()).await;
     common::wait_until_no_sessions(&app).await;
+}
+
+/// A lock held on one store's lease row (an operator's open transaction) holds up that store's
+/// renewals on the shared connection. Each waits at most the connection's lock timeout, so the
+/// renewals pipelined behind it still answer well within their own timeout: the other stores
+/// renew without a single failure. The locked store fails closed at its local deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_one_lease_row_does_not_hold_up_the_others() {
+    let app = table("fleetlock");
+    let fleet = fleet(&app, 4);
+    let (tables, stores) = open_stores(&fleet, "fleetlock", 4).await;
+    let others: Vec<&PgKvStore> = stores[1..].iter().collect();
+    let (epochs, since) = (epochs(&others), renewals(&others));
+    let mut blocker = admin().await;
+    let tx = common::lock_lease_row(&mut blocker, &tables[0], "FOR NO KEY UPDATE").await;
+    common::wait_until_lost(&stores[0]).await;
+    renew_more(&others, &since, 4).await;
+    for store in &others {
+        assert_eq!(store.stats().renewals.failed, 0, "{:?}", store.stats().renewals);
+    }
+    still_held(&others, &epochs).await;
+    tx.rollback().await.unwrap();
+    for store in &stores {
+        within("close", store.close()).await.unwrap();
+    }
+    within("fleet close", fleet.close()).await;
 }
