@@ -49,6 +49,8 @@ pub use lease::{LeaseLossPolicy, LeaseState};
 pub use rustls;
 pub use schema::LeaseInfo;
 pub use stats::{FailClosed, Histogram, Operations, PoolStats, Renewals, Shared};
+#[doc(hidden)]
+pub use store::SharedListener;
 pub use store::Stats;
 pub use store::blocking;
 pub use store::{Builder, KvStore, Page, PageToken, PgKvStore, Standby, StandbyState};

@@ -7,12 +7,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Pool, Runtime};
 use tokio_postgres::config::{Host, SslMode};
 
 use super::blocking;
+use super::listener::{Listener, SharedListener};
 use super::standby::Standby;
 use super::{PgKvStore, open};
 use crate::connect::{self, Tls};
@@ -69,6 +71,8 @@ pub struct Builder {
     pub(crate) application_name: String,
     pub(crate) write_concurrency: usize,
     pub(crate) tls: Tls,
+    /// The LISTEN connection a standby shares with others; `None`: it makes its own.
+    pub(crate) listener: Option<Arc<Listener>>,
 }
 
 /// Defaults, also documented on the setters.
@@ -90,6 +94,10 @@ const TOKIO_POSTGRES_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60
 /// The longest keepalive idle time Linux accepts (`MAX_TCP_KEEPIDLE`); asked for more, the
 /// socket option fails and so does every connection.
 const MAX_KEEPALIVES_IDLE: Duration = Duration::from_secs(32_767);
+/// The longest a standby's LISTEN connection stays silent before its keepalives probe it. It
+/// bounds how late a standby learns that a silently dropped connection lost a release's
+/// notification. Probes cost the server no statement: its kernel answers them.
+const MAX_LISTEN_KEEPALIVES_IDLE: Duration = Duration::from_secs(5);
 
 impl Builder {
     /// A builder for the server that libpq's environment names, as `psql` would connect.
@@ -138,6 +146,7 @@ impl Builder {
             application_name: default_application_name(),
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
             tls: Tls::default(),
+            listener: None,
         }
     }
 
@@ -352,6 +361,28 @@ impl Builder {
         self.standby().open().await
     }
 
+    /// A LISTEN connection that standbys of several builders can share (see
+    /// [`Builder::share_listener`]). `None` for a pool source, whose standbys poll. It connects
+    /// like this builder's standby would, when its first standby starts waiting.
+    #[doc(hidden)]
+    pub fn shared_listener(&self) -> Option<SharedListener> {
+        let config = self.listen_config()?;
+        Some(SharedListener(Arc::new(Listener::new(
+            config,
+            self.tls.clone(),
+            self.connect_timeout,
+        ))))
+    }
+
+    /// This builder's standby waits on `listener` instead of a LISTEN connection of its own.
+    /// The listener must connect to the store's database: a NOTIFY reaches only the sessions
+    /// of the database it runs in.
+    #[doc(hidden)]
+    pub fn share_listener(mut self, listener: &SharedListener) -> Self {
+        self.listener = Some(Arc::clone(&listener.0));
+        self
+    }
+
     /// Read-only access to the table without taking the lease, for operators and tools.
     pub async fn inspect(self) -> Result<Inspector> {
         let table = self.validate()?;
@@ -381,6 +412,30 @@ impl Builder {
     ///
     /// `None` for a pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
+        let idle = self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE);
+        self.config_probing(idle, self.lease_ttl)
+    }
+
+    /// [`Builder::connection_config`] for a standby's LISTEN connection, with shorter
+    /// keepalives where the caller set none. They probe after a quarter of the TTL of silence,
+    /// 1 to 5 s, then every second. The user timeout ends the connection 2 s after the first
+    /// unanswered probe. A release's notification lost on a silently dropped connection then
+    /// costs the standby seconds, not the holder's TTL. The connection runs no statement to
+    /// find out.
+    pub(crate) fn listen_config(&self) -> Option<tokio_postgres::Config> {
+        let idle = (self.lease_ttl / 4).clamp(Duration::from_secs(1), MAX_LISTEN_KEEPALIVES_IDLE);
+        // Whole seconds: the kernel counts keepalive idle time in them.
+        let idle = Duration::from_secs(idle.as_secs());
+        self.config_probing(idle, idle + Duration::from_secs(2))
+    }
+
+    /// The connection configuration with keepalives after `idle` and a TCP user timeout of
+    /// `user_timeout`, each unless the caller set one.
+    fn config_probing(
+        &self,
+        idle: Duration,
+        user_timeout: Duration,
+    ) -> Option<tokio_postgres::Config> {
         let Source::Config(config) = &self.source else { return None };
         let mut config = (**config).clone();
         if self.tls.is_on() {
@@ -390,7 +445,7 @@ impl Builder {
             config.connect_timeout(self.connect_timeout);
         }
         if config.get_tcp_user_timeout().is_none() {
-            config.tcp_user_timeout(self.lease_ttl);
+            config.tcp_user_timeout(user_timeout);
         }
         let keepalives_untouched = config.get_keepalives()
             && config.get_keepalives_idle() == TOKIO_POSTGRES_KEEPALIVES_IDLE
@@ -400,8 +455,7 @@ impl Builder {
             // Whole seconds: the kernel takes nothing shorter, nor longer than its maximum. A
             // TTL of hours is clamped to it. The user timeout of one TTL still ends a connection
             // that stopped answering, only not before the TTL.
-            config
-                .keepalives_idle(self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE));
+            config.keepalives_idle(idle);
             config.keepalives_interval(Duration::from_secs(1));
         }
         if config.get_application_name().is_none() {

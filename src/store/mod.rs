@@ -8,12 +8,15 @@
 
 pub mod blocking;
 mod builder;
+mod listener;
 pub(crate) mod open;
 mod standby;
 mod stats;
 
 pub use builder::Builder;
 pub(crate) use builder::Source;
+#[doc(hidden)]
+pub use listener::SharedListener;
 pub use standby::{Standby, StandbyState};
 pub use stats::Stats;
 
