@@ -380,15 +380,22 @@ fn partitioned_listen_connection_costs_a_standby_seconds_not_the_holder_s_ttl() 
         within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
             .await
             .unwrap();
-        // Its first attempt's connections are closed: the LISTEN connection is left.
+        // Left: the LISTEN connection, and the connection of the attempt, idle for the next.
+        // The former's keepalives probe after 5 s of silence, the latter's after a TTL (20 s):
+        // just after the attempt, only the LISTEN connection's are due within 6 s.
         let deadline = Instant::now() + HANG_GUARD;
-        while net.established() != 1 {
-            assert!(Instant::now() < deadline, "connections left:\n{}", net.sockets());
+        while net.established() != 2 {
+            assert!(Instant::now() < deadline, "connections:\n{}", net.sockets());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         net.wait_until_all_sent();
-        let listening = net.sockets();
-        let local = listening.split_whitespace().nth(2).expect("a local address");
+        let sockets = net.sockets_with_timers();
+        let listening: Vec<&str> = sockets
+            .lines()
+            .filter(|line| keepalive_due_in(line) < Duration::from_secs(6))
+            .collect();
+        assert_eq!(listening.len(), 1, "one LISTEN connection:\n{sockets}");
+        let local = listening[0].split_whitespace().nth(2).expect("a local address");
         let port: u16 = local.rsplit(':').next().unwrap().parse().unwrap();
         net.cut_port(port);
         let released = Instant::now();
@@ -402,6 +409,20 @@ fn partitioned_listen_connection_costs_a_standby_seconds_not_the_holder_s_ttl() 
         assert_eq!(store.fencing_token(), 2);
         far.spawn(async move { store.close().await }).await.unwrap().unwrap();
     });
+}
+
+/// When the keepalive timer of an `ss -o` line is due; a day if it shows none or minutes.
+fn keepalive_due_in(line: &str) -> Duration {
+    let never = Duration::from_secs(86_400);
+    let Some((_, timer)) = line.split_once("timer:(keepalive,") else { return never };
+    let due = timer.split(',').next().unwrap_or_default();
+    if let Some(ms) = due.strip_suffix("ms") {
+        return Duration::from_millis(ms.parse().unwrap_or(0));
+    }
+    match due.strip_suffix("sec").map(str::parse::<f64>) {
+        Some(Ok(secs)) => Duration::from_secs_f64(secs),
+        _ => never,
+    }
 }
 
 /// A builder of a store on the far side, through `proxy`, with the tests' TTL.
@@ -516,6 +537,15 @@ impl Network {
     /// address, one line each.
     fn sockets(&self) -> String {
         let ss = ["ss", "-tnH", "state", "established"];
+        let sockets = in_namespace(Some(&self.far), &ss);
+        let output = Command::new(&sockets[0]).args(&sockets[1..]).output().unwrap();
+        assert!(output.status.success(), "{sockets:?}: {output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// [`Network::sockets`] with each connection's timer (`ss -o`).
+    fn sockets_with_timers(&self) -> String {
+        let ss = ["ss", "-tnoH", "state", "established"];
         let sockets = in_namespace(Some(&self.far), &ss);
         let output = Command::new(&sockets[0]).args(&sockets[1..]).output().unwrap();
         assert!(output.status.success(), "{sockets:?}: {output:?}");

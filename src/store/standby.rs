@@ -59,6 +59,13 @@ pub enum StandbyState {
 /// holder's lease expires by the database clock. Any notification wakes it early. While it
 /// waits it runs no statement: it makes one attempt when the holder's lease would expire.
 ///
+/// # Connections
+///
+/// A standby keeps its LISTEN connection, unless it shares one (a `Fleet`'s). It also keeps
+/// the connection of its last attempt, idle in the pool the store will use. The next attempt
+/// then needs no new connection. The check for a transaction pooler runs on its first attempt
+/// only. A graceful handoff thus waits for the setup transaction alone.
+///
 /// # A failed or silent LISTEN connection
 ///
 /// If the LISTEN connection fails, the standby polls at least every second and reconnects.
@@ -145,6 +152,9 @@ impl Standby {
             Some(Arc::new(Listener::new(config, builder.tls.clone(), builder.connect_timeout)))
         });
         let mut subscription = listener.as_ref().map(|listener| listener.subscribe(table));
+        // One pool for all attempts: the connection an attempt leaves idle in it is the next
+        // one's, so a handoff does not wait for a new connection.
+        let reuse = open::Reuse { pool: Some(builder.pool()?), ..open::Reuse::default() };
         loop {
             // Listen before trying, so a release between a failed attempt and the wait below
             // is not missed. A listener not (yet) connected is waited for until it connects or
@@ -163,7 +173,7 @@ impl Standby {
                 }
                 None => false,
             };
-            let wait = match open::open_until(builder.clone(), &mut stop).await {
+            let wait = match open::attempt(builder.clone(), reuse.clone(), &mut stop).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(store)) => {
                     self.progress

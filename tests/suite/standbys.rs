@@ -82,11 +82,22 @@ async fn ten_standbys(prefix: &str, shared: bool) {
     );
     let row = admin().await.query_one(&sessions, &[]).await.unwrap();
     let (all, listening): (i64, i64) = (row.get(0), row.get(1));
+    // Each standby also keeps the connection of its last attempt idle, for its next one.
+    let idle = "SELECT count(*) FROM pg_stat_activity
+                 WHERE application_name LIKE $1 AND state = 'idle' AND query NOT LIKE 'LISTEN%'";
+    let warm: i64 =
+        admin().await.query_one(idle, &[&format!("pgfence {app}-standby%")]).await.unwrap().get(0);
     eprintln!(
-        "{STANDBYS} standbys (shared: {shared}): {all} server connections, {listening} idle in LISTEN"
+        "{STANDBYS} standbys (shared: {shared}): {all} server connections, {listening} idle in \
+         LISTEN, {warm} idle for the next attempt"
     );
     let expected = if shared { 1 } else { STANDBYS as i64 };
-    assert_eq!((all, listening), (expected, expected), "LISTEN connections only, all idle");
+    assert_eq!(listening, expected, "LISTEN connections");
+    assert_eq!(
+        (warm, all),
+        (STANDBYS as i64, expected + STANDBYS as i64),
+        "one warm connection each"
+    );
     // An idle backend reports its transactions to the statistics up to 10 s late (PostgreSQL
     // 15's PGSTAT_IDLE_INTERVAL): those of the standbys' first looks must not count below.
     tokio::time::sleep(Duration::from_secs(11)).await;
