@@ -30,6 +30,14 @@ async fn commits(db: &str) -> i64 {
     row.get(0)
 }
 
+/// Each server session of the standbys of `app`: its process id and when its last statement
+/// started.
+async fn statements(app: &str) -> Vec<(i32, Option<std::time::SystemTime>)> {
+    let sessions = "SELECT pid, query_start FROM pg_stat_activity WHERE application_name LIKE $1";
+    let rows = admin().await.query(sessions, &[&format!("pgfence {app}-standby%")]).await.unwrap();
+    rows.iter().map(|row| (row.get(0), row.get(1))).collect()
+}
+
 /// Ten standbys wait on one healthy holder, each with a LISTEN connection of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_standbys_idle_on_one_connection_each_and_exactly_one_takes_over() {
@@ -103,8 +111,18 @@ async fn ten_standbys(prefix: &str, shared: bool) {
     tokio::time::sleep(Duration::from_secs(11)).await;
     const QUIET: Duration = Duration::from_secs(15);
     let before = commits(&db).await;
+    let statements_before = statements(&app).await;
     tokio::time::sleep(QUIET).await;
     let during = commits(&db).await - before;
+    let statements_after = statements(&app).await;
+    // A session's last statement, by when it started: the same at both ends if it ran none.
+    // (The statistics miss a transaction that reads no table, `SELECT 1` say, until the
+    // session ends.)
+    let active = statements_after.iter().filter(|s| !statements_before.contains(s)).count();
+    eprintln!(
+        "{STANDBYS} standbys (shared: {shared}): {active} sessions ran a statement in {QUIET:?}"
+    );
+    assert_eq!(active, 0, "no statement from a waiting standby: {statements_after:?}");
     eprintln!(
         "{STANDBYS} standbys (shared: {shared}) and a holder: {during} transactions in {QUIET:?}"
     );
