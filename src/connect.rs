@@ -46,12 +46,12 @@ impl Tls {
     /// Connects, spawns the task that drives the connection, and sets the session to read
     /// committed ([`sql::READ_COMMITTED`]). The task ends when the client is dropped or the
     /// connection breaks (logged at debug level as `what`). A notification on the connection
-    /// (after LISTEN) is signalled on `notifications`.
+    /// (after LISTEN) is signalled on `notifications`, by its channel's name.
     pub(crate) async fn connect(
         &self,
         config: &Config,
         what: &'static str,
-        notifications: Option<mpsc::UnboundedSender<()>>,
+        notifications: Option<mpsc::UnboundedSender<String>>,
     ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
         let (client, task) = match &self.0 {
             Some(tls) => {
@@ -246,7 +246,7 @@ impl fmt::Debug for Tls {
 fn drive<S, T>(
     mut connection: Connection<S, T>,
     what: &'static str,
-    notifications: Option<mpsc::UnboundedSender<()>>,
+    notifications: Option<mpsc::UnboundedSender<String>>,
 ) -> JoinHandle<()>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -257,9 +257,10 @@ where
         // drop them.
         while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
             match message {
-                Ok(AsyncMessage::Notification(_)) => {
+                Ok(AsyncMessage::Notification(notification)) => {
                     if let Some(notifications) = &notifications {
-                        let _ = notifications.send(()); // The receiver may be gone.
+                        // The receiver may be gone.
+                        let _ = notifications.send(notification.channel().to_owned());
                     }
                 }
                 Ok(AsyncMessage::Notice(notice)) => {

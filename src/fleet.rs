@@ -7,7 +7,7 @@ use tokio::sync::oneshot;
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::lease::{Connector, Renewer};
-use crate::store::{Builder, FleetShare, Source};
+use crate::store::{Builder, FleetShare, Listener, Source};
 
 /// Many stores in one process (one per tenant, say), sharing one connection pool and one
 /// renewal thread. Made from a [`Builder`] with [`Builder::fleet`].
@@ -56,6 +56,9 @@ pub struct Fleet {
     pool: connect::Pool,
     /// `None` once closed.
     renewer: Option<Arc<Renewer>>,
+    /// The one LISTEN connection of the fleet's waiting standbys; `None` for a pool source,
+    /// whose standbys poll.
+    listener: Option<Arc<Listener>>,
     /// Closed when the renewal thread has ended.
     ended: Option<oneshot::Receiver<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -84,7 +87,11 @@ impl Builder {
         };
         let (ended, ended_rx) = oneshot::channel();
         let (renewer, thread) = Renewer::start(connector, self.connect_timeout, ended)?;
+        let listener = self
+            .listen_config()
+            .map(|config| Arc::new(Listener::new(config, self.tls.clone(), self.connect_timeout)));
         Ok(Fleet {
+            listener,
             template: self,
             pool,
             renewer: Some(Arc::new(renewer)),
@@ -101,12 +108,14 @@ impl Fleet {
     /// [`Builder::standby`], [`Builder::open_blocking`] and [`Builder::inspect`] work as
     /// usual. Every per-store option applies (TTL, local deadline, loss policy, ...). The
     /// connection options are the fleet's: its pool, TLS and connect timeout are used whatever
-    /// this builder says.
+    /// this builder says. Its waiting standbys share one LISTEN connection, and run their
+    /// attempts on the fleet's pool.
     pub fn builder(&self, table: impl Into<String>) -> Builder {
         let mut builder = self.template.clone().table(table);
         let renewer = self.renewer.as_ref().expect("set until close(), which consumes the fleet");
         builder.fleet =
             Some(FleetShare { pool: self.pool.clone(), renewer: Arc::downgrade(renewer) });
+        builder.listener = self.listener.clone();
         builder
     }
 

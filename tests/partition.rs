@@ -358,6 +358,73 @@ fn partitioned_standby_takes_over_soon_after_the_network_heals() {
     });
 }
 
+/// A standby's LISTEN connection silently dropped on the way (the router discards its packets
+/// only, both ways; new connections get through) misses the release's notification. Its TCP
+/// keepalives find the dead connection within seconds, with no statement on the server. The
+/// standby then reconnects, looks at the lease again and takes it: long before the holder's
+/// lease would have expired. Keepalives after one TTL of silence, as on the store's other
+/// connections, would cost it about its whole TTL here.
+#[test]
+fn partitioned_listen_connection_costs_a_standby_seconds_not_the_holder_s_ttl() {
+    const STANDBY_TTL: Duration = Duration::from_secs(20);
+    let net = Network::create();
+    let far = net.runtime();
+    near().block_on(async {
+        let proxy = net.proxy().await;
+        let t = table("partlisten");
+        let holder_ttl = Duration::from_secs(60);
+        let holder = common::builder(&t).lease_ttl(holder_ttl).open().await.unwrap();
+        let standby = far_builder(&proxy, &t).lease_ttl(STANDBY_TTL).standby();
+        let mut progress = standby.progress();
+        let waiting = far.spawn(standby.open());
+        within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
+            .await
+            .unwrap();
+        // Left: the LISTEN connection, and the connection of the attempt, idle for the next.
+        // The former's keepalives probe after 5 s of silence, the latter's after a TTL (20 s):
+        // just after the attempt, only the LISTEN connection's are due within 6 s.
+        let deadline = Instant::now() + HANG_GUARD;
+        while net.established() != 2 {
+            assert!(Instant::now() < deadline, "connections:\n{}", net.sockets());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        net.wait_until_all_sent();
+        let sockets = net.sockets_with_timers();
+        let listening: Vec<&str> = sockets
+            .lines()
+            .filter(|line| keepalive_due_in(line) < Duration::from_secs(6))
+            .collect();
+        assert_eq!(listening.len(), 1, "one LISTEN connection:\n{sockets}");
+        let local = listening[0].split_whitespace().nth(2).expect("a local address");
+        let port: u16 = local.rsplit(':').next().unwrap().parse().unwrap();
+        net.cut_port(port);
+        let released = Instant::now();
+        holder.close().await.unwrap(); // Its notification cannot reach the standby.
+        let store = within("the standby takes over", waiting).await.unwrap().unwrap();
+        let took = released.elapsed();
+        println!("took over {took:?} after the release (standby's TTL {STANDBY_TTL:?})");
+        // Keepalives after 5 s of silence (a quarter of the TTL, at most 5 s), the connection
+        // ended 2 s later, a reconnect after 1 s.
+        assert!(took < Duration::from_secs(14), "not by a TTL of silence: {took:?}");
+        assert_eq!(store.fencing_token(), 2);
+        far.spawn(async move { store.close().await }).await.unwrap().unwrap();
+    });
+}
+
+/// When the keepalive timer of an `ss -o` line is due; a day if it shows none or minutes.
+fn keepalive_due_in(line: &str) -> Duration {
+    let never = Duration::from_secs(86_400);
+    let Some((_, timer)) = line.split_once("timer:(keepalive,") else { return never };
+    let due = timer.split(',').next().unwrap_or_default();
+    if let Some(ms) = due.strip_suffix("ms") {
+        return Duration::from_millis(ms.parse().unwrap_or(0));
+    }
+    match due.strip_suffix("sec").map(str::parse::<f64>) {
+        Some(Ok(secs)) => Duration::from_secs_f64(secs),
+        _ => never,
+    }
+}
+
 /// A builder of a store on the far side, through `proxy`, with the tests' TTL.
 fn far_builder(proxy: &Proxy, table: &str) -> pgfence::Builder {
     PgKvStore::builder_from_config(server().config_via(proxy.addr())).table(table).lease_ttl(TTL)
@@ -476,6 +543,15 @@ impl Network {
         String::from_utf8(output.stdout).unwrap()
     }
 
+    /// [`Network::sockets`] with each connection's timer (`ss -o`).
+    fn sockets_with_timers(&self) -> String {
+        let ss = ["ss", "-tnoH", "state", "established"];
+        let sockets = in_namespace(Some(&self.far), &ss);
+        let output = Command::new(&sockets[0]).args(&sockets[1..]).output().unwrap();
+        assert!(output.status.success(), "{sockets:?}: {output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
     /// Waits until every TCP connection of the far namespace has all it sent acknowledged.
     fn wait_until_all_sent(&self) {
         let deadline = Instant::now() + HANG_GUARD;
@@ -493,6 +569,17 @@ impl Network {
     fn cut(&self) {
         for link in ["toroot", "toclient"] {
             let rule = ["rule", "add", "pref", "10", "iif", link, "blackhole"];
+            run(&in_namespace(Some(&self.router), &[&["ip"], &rule[..]].concat())).unwrap();
+        }
+    }
+
+    /// From now on the router silently discards every packet of the far side's TCP port
+    /// `port`, both ways.
+    fn cut_port(&self, port: u16) {
+        let port = port.to_string();
+        for (link, side) in [("toroot", "dport"), ("toclient", "sport")] {
+            let rule = ["rule", "add", "pref", "10", "iif", link, "ipproto", "tcp", side, &port];
+            let rule = [&rule[..], &["blackhole"]].concat();
             run(&in_namespace(Some(&self.router), &[&["ip"], &rule[..]].concat())).unwrap();
         }
     }

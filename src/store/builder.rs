@@ -7,12 +7,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Pool, Runtime};
 use tokio_postgres::config::{Host, SslMode};
 
 use super::blocking;
+use super::listener::Listener;
 use super::standby::Standby;
 use super::{PgKvStore, open};
 use crate::connect::{self, Tls};
@@ -72,6 +74,8 @@ pub struct Builder {
     /// The fleet this builder opens stores in (see [`crate::Fleet::builder`]); `None` for a
     /// store with a pool and a renewal thread of its own.
     pub(crate) fleet: Option<FleetShare>,
+    /// The LISTEN connection a standby shares with others; `None`: it makes its own.
+    pub(crate) listener: Option<Arc<Listener>>,
 }
 
 /// What the stores of a fleet share: its pool and its renewal thread. Weak, so that a builder
@@ -101,6 +105,10 @@ const TOKIO_POSTGRES_KEEPALIVES_IDLE: Duration = Duration::from_secs(2 * 60 * 60
 /// The longest keepalive idle time Linux accepts (`MAX_TCP_KEEPIDLE`); asked for more, the
 /// socket option fails and so does every connection.
 const MAX_KEEPALIVES_IDLE: Duration = Duration::from_secs(32_767);
+/// The longest a standby's LISTEN connection stays silent before its keepalives probe it. It
+/// bounds how late a standby learns that a silently dropped connection lost a release's
+/// notification. Probes cost the server no statement: its kernel answers them.
+const MAX_LISTEN_KEEPALIVES_IDLE: Duration = Duration::from_secs(5);
 
 impl Builder {
     /// A builder for the server that libpq's environment names, as `psql` would connect.
@@ -150,6 +158,7 @@ impl Builder {
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
             tls: Tls::default(),
             fleet: None,
+            listener: None,
         }
     }
 
@@ -395,6 +404,30 @@ impl Builder {
     ///
     /// `None` for a pool source.
     pub(crate) fn connection_config(&self) -> Option<tokio_postgres::Config> {
+        let idle = self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE);
+        self.config_probing(idle, self.lease_ttl)
+    }
+
+    /// [`Builder::connection_config`] for a standby's LISTEN connection, with shorter
+    /// keepalives where the caller set none. They probe after a quarter of the TTL of silence,
+    /// 1 to 5 s, then every second. The user timeout ends the connection 2 s after the first
+    /// unanswered probe. A release's notification lost on a silently dropped connection then
+    /// costs the standby seconds, not the holder's TTL. The connection runs no statement to
+    /// find out.
+    pub(crate) fn listen_config(&self) -> Option<tokio_postgres::Config> {
+        let idle = (self.lease_ttl / 4).clamp(Duration::from_secs(1), MAX_LISTEN_KEEPALIVES_IDLE);
+        // Whole seconds: the kernel counts keepalive idle time in them.
+        let idle = Duration::from_secs(idle.as_secs());
+        self.config_probing(idle, idle + Duration::from_secs(2))
+    }
+
+    /// The connection configuration with keepalives after `idle` and a TCP user timeout of
+    /// `user_timeout`, each unless the caller set one.
+    fn config_probing(
+        &self,
+        idle: Duration,
+        user_timeout: Duration,
+    ) -> Option<tokio_postgres::Config> {
         let Source::Config(config) = &self.source else { return None };
         let mut config = (**config).clone();
         if self.tls.is_on() {
@@ -404,7 +437,7 @@ impl Builder {
             config.connect_timeout(self.connect_timeout);
         }
         if config.get_tcp_user_timeout().is_none() {
-            config.tcp_user_timeout(self.lease_ttl);
+            config.tcp_user_timeout(user_timeout);
         }
         let keepalives_untouched = config.get_keepalives()
             && config.get_keepalives_idle() == TOKIO_POSTGRES_KEEPALIVES_IDLE
@@ -414,8 +447,7 @@ impl Builder {
             // Whole seconds: the kernel takes nothing shorter, nor longer than its maximum. A
             // TTL of hours is clamped to it. The user timeout of one TTL still ends a connection
             // that stopped answering, only not before the TTL.
-            config
-                .keepalives_idle(self.lease_ttl.clamp(Duration::from_secs(1), MAX_KEEPALIVES_IDLE));
+            config.keepalives_idle(idle);
             config.keepalives_interval(Duration::from_secs(1));
         }
         if config.get_application_name().is_none() {

@@ -8,12 +8,14 @@
 
 pub mod blocking;
 mod builder;
+mod listener;
 pub(crate) mod open;
 mod standby;
 mod stats;
 
 pub use builder::Builder;
 pub(crate) use builder::{FleetShare, Source};
+pub(crate) use listener::Listener;
 pub use standby::{Standby, StandbyState};
 pub use stats::Stats;
 

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,12 +38,34 @@ pub(crate) async fn open_until(
     builder: Builder,
     stop: impl Future<Output = ()>,
 ) -> Result<Option<PgKvStore>> {
+    attempt(builder, Reuse::default(), stop).await
+}
+
+/// What a standby keeps from one attempt to open the store to the next, so that each attempt
+/// after the first is quicker. A graceful handoff waits for one attempt.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Reuse {
+    /// The pool of the attempts, with a connection left idle in it by the last one; the store
+    /// takes it over. `None`: each attempt builds its own, as `open()` does.
+    pub(crate) pool: Option<connect::Pool>,
+    /// Set once an attempt found no transaction pooler on the way (and, for a pool passed in,
+    /// read committed isolation). Later attempts reach the same servers through the same
+    /// configuration, so they skip the checks: two more round trips and a connection each.
+    pub(crate) checked: Arc<AtomicBool>,
+}
+
+/// [`open_until`], reusing what earlier attempts left in `reuse`.
+pub(crate) async fn attempt(
+    builder: Builder,
+    reuse: Reuse,
+    stop: impl Future<Output = ()>,
+) -> Result<Option<PgKvStore>> {
     let table = builder.validate()?;
     // For the `GRANT` of a permission error; unknown for a pool passed in.
     let role = builder.connection_config().and_then(|c| c.get_user().map(str::to_owned));
     // Dropped when the caller gives up: tells the task that nobody waits for the store.
     let (caller, gone) = oneshot::channel::<()>();
-    let opening = open_here(builder, table, gone).instrument(tracing::Span::current());
+    let opening = open_here(builder, table, reuse, gone).instrument(tracing::Span::current());
     let opening = detached(opening, || Error::Closed);
     tokio::pin!(opening);
     tokio::select! {
@@ -70,6 +92,7 @@ pub(crate) async fn open_until(
 async fn open_here(
     builder: Builder,
     table: TableName,
+    reuse: Reuse,
     mut caller: oneshot::Receiver<()>,
 ) -> Result<PgKvStore> {
     let statements = Statements::new(&table);
@@ -79,7 +102,10 @@ async fn open_here(
         Some(share) => Some(share.renewer.upgrade().ok_or(Error::Closed)?),
         None => None,
     };
-    let pool = builder.pool()?;
+    let pool = match reuse.pool {
+        Some(pool) => pool,
+        None => builder.pool()?,
+    };
     let (connector, config) = match &builder.source {
         Source::Config(_) => {
             let config = builder.connection_config().expect("a config source");
@@ -108,9 +134,12 @@ async fn open_here(
     let checks = async {
         // First: the checks below and the setup use prepared statements, and ending a
         // session by pid is only safe with a session of our own.
-        connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
-        if let Source::Pool(_) = &builder.source {
-            check_pool_isolation(&client).await?;
+        if !reuse.checked.load(Ordering::Relaxed) {
+            connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
+            if let Source::Pool(_) = &builder.source {
+                check_pool_isolation(&client).await?;
+            }
+            reuse.checked.store(true, Ordering::Relaxed);
         }
         // Known before the setup, so that a setup whose commit goes unanswered can be ended.
         identify(&client).await

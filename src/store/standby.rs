@@ -1,16 +1,17 @@
 //! Failover: a standby that waits for the lease, then opens the store.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::error::{Error, Result};
 use crate::keys::TableName;
-use crate::schema;
 
 use super::builder::Builder;
+use super::listener::Listener;
 use super::{PgKvStore, open};
 
 /// The target of this module's log events: stable, whatever the module's path (see
@@ -55,14 +56,25 @@ pub enum StandbyState {
 /// While waiting, it `LISTEN`s on the table's channel on a connection of its own, never a
 /// pooled one. A graceful release is `close()` or drop of the holder, which `NOTIFY` in the same
 /// transaction. So a graceful release wakes it at once. After a crash, it sleeps until the
-/// holder's lease expires by the database clock. Any notification wakes it early.
+/// holder's lease expires by the database clock. Any notification wakes it early. While it
+/// waits it runs no statement: it makes one attempt when the holder's lease would expire.
+///
+/// # Connections
+///
+/// A standby keeps its LISTEN connection, unless it shares one (a `Fleet`'s). It also keeps
+/// the connection of its last attempt, idle in the pool the store will use. The next attempt
+/// then needs no new connection. The check for a transaction pooler runs on its first attempt
+/// only. A graceful handoff thus waits for the setup transaction alone.
 ///
 /// # A failed or silent LISTEN connection
 ///
 /// If the LISTEN connection fails, the standby polls at least every second and reconnects.
-/// After every 5 s without a notification, it checks that the connection still answers. It
-/// replaces one that does not, silently dropped by a NAT or firewall, say. So a lost
-/// notification costs seconds, not the holder's whole TTL.
+/// TCP keepalives find a connection silently dropped on the way, by a NAT or firewall, say.
+/// They probe after a quarter of the TTL of silence (1 to 5 s); the connection ends 2 s after
+/// an unanswered probe. The standby then looks at the lease again and reconnects. So a lost
+/// notification costs seconds, not the holder's whole TTL. A middlebox that still answers
+/// the probes but holds back the data is not found: the attempt at the holder's expiry covers
+/// it.
 ///
 /// # Cancelling
 ///
@@ -132,17 +144,36 @@ impl Standby {
         stop: impl Future<Output = ()>,
     ) -> Result<Option<PgKvStore>> {
         tokio::pin!(stop);
-        let mut listener: Option<Listener> = None;
+        let builder = &self.builder;
+        // The listener shared with other standbys, else one of its own. None for a pool
+        // source, which has no configuration to connect with: the standby then polls.
+        let listener = builder.listener.clone().or_else(|| {
+            let config = builder.listen_config()?;
+            Some(Arc::new(Listener::new(config, builder.tls.clone(), builder.connect_timeout)))
+        });
+        let mut subscription = listener.as_ref().map(|listener| listener.subscribe(table));
+        // One pool for all attempts: the connection an attempt leaves idle in it is the next
+        // one's, so a handoff does not wait for a new connection.
+        let reuse = open::Reuse { pool: Some(builder.pool()?), ..open::Reuse::default() };
         loop {
             // Listen before trying, so a release between a failed attempt and the wait below
-            // is not missed.
-            if listener.as_ref().is_none_or(|l| l.is_closed()) {
-                listener = tokio::select! {
-                    listener = Listener::start(&self.builder, table) => listener,
-                    () = &mut stop => return Ok(None),
-                };
-            }
-            let wait = match open::open_until(self.builder.clone(), &mut stop).await {
+            // is not missed. A listener not (yet) connected is waited for until it connects or
+            // fails, at most `connect_timeout`.
+            let listening = match &mut subscription {
+                Some(subscription) => {
+                    if !subscription.listening() {
+                        let connected =
+                            tokio::time::timeout(builder.connect_timeout, subscription.changed());
+                        tokio::select! {
+                            _ = connected => {}
+                            () = &mut stop => return Ok(None),
+                        }
+                    }
+                    subscription.listening()
+                }
+                None => false,
+            };
+            let wait = match open::attempt(builder.clone(), reuse.clone(), &mut stop).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(store)) => {
                     self.progress
@@ -162,10 +193,13 @@ impl Standby {
                 }
                 Err(e) => return Err(e),
             };
-            let wait = if listener.is_some() { wait } else { wait.min(MAX_POLL) };
+            let wait = if listening { wait } else { wait.min(MAX_POLL) };
+            // Woken by a notification, or by the listener's connection going or coming back.
             let woken = async {
-                match &mut listener {
-                    Some(l) => l.wait(wait, self.builder.connect_timeout).await,
+                match &mut subscription {
+                    Some(subscription) => {
+                        let _ = tokio::time::timeout(wait, subscription.changed()).await;
+                    }
                     None => tokio::time::sleep(wait).await,
                 }
             };
@@ -174,93 +208,5 @@ impl Standby {
                 () = &mut stop => return Ok(None),
             }
         }
-    }
-}
-
-/// How often a standby waiting on its LISTEN connection checks that the connection still
-/// answers. A connection may be silently dropped on the way: a NAT or firewall idle timeout, a
-/// hung middlebox. It would miss the release's notification. The standby would then wait for
-/// the holder's expiry.
-const LISTEN_CHECK_EVERY: Duration = Duration::from_secs(5);
-
-/// A LISTEN on the table's channel, on a connection of its own. The task that drives the
-/// connection is aborted when the listener is dropped.
-struct Listener {
-    notified: mpsc::UnboundedReceiver<()>,
-    task: tokio::task::JoinHandle<()>,
-    client: tokio_postgres::Client,
-    /// Set when the connection stopped answering: closed, to be replaced.
-    broken: bool,
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Listener {
-    /// `None` when notifications are unavailable (pool source, or the connection failed): the
-    /// standby then polls.
-    async fn start(builder: &Builder, table: &TableName) -> Option<Listener> {
-        let config = builder.connection_config()?;
-        let connecting = async {
-            let (tx, notified) = mpsc::unbounded_channel();
-            let (client, task) = builder.tls.connect(&config, "standby LISTEN", Some(tx)).await?;
-            let listener = Listener { notified, task, client, broken: false };
-            let channel = schema::notify_channel(&listener.client, table).await?;
-            listener.client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
-            Ok::<_, tokio_postgres::Error>(listener)
-        };
-        match tokio::time::timeout(builder.connect_timeout, connecting).await {
-            Ok(Ok(listener)) => Some(listener),
-            Ok(Err(e)) => {
-                tracing::warn!(
-                    target: LOG,
-                    error = %e, "pgfence standby cannot LISTEN; polling instead");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(
-                    target: LOG,
-                    "pgfence standby LISTEN connection timed out; polling instead");
-                None
-            }
-        }
-    }
-
-    fn is_closed(&self) -> bool {
-        self.broken || self.client.is_closed() || self.task.is_finished()
-    }
-
-    /// Waits for a notification or `max`, whichever comes first.
-    ///
-    /// After every [`LISTEN_CHECK_EVERY`] without one, it checks that the connection still
-    /// answers within `check_timeout`. If not, it closes the connection and returns early. The
-    /// standby then looks at the lease again and listens on a new connection.
-    async fn wait(&mut self, max: Duration, check_timeout: Duration) {
-        let until = tokio::time::Instant::now() + max;
-        loop {
-            let left = until.saturating_duration_since(tokio::time::Instant::now());
-            let quiet = left.min(LISTEN_CHECK_EVERY);
-            // Ok: a notification, or the connection ended (`None`).
-            if left.is_zero() || tokio::time::timeout(quiet, self.notified.recv()).await.is_ok() {
-                break;
-            }
-            if tokio::time::Instant::now() >= until {
-                break;
-            }
-            let answered =
-                tokio::time::timeout(check_timeout, self.client.simple_query("SELECT 1"));
-            if !matches!(answered.await, Ok(Ok(_))) {
-                tracing::warn!(
-                    target: LOG,
-                    "pgfence standby LISTEN connection stopped answering; reconnecting");
-                self.broken = true;
-                self.task.abort();
-                break;
-            }
-        }
-        while self.notified.try_recv().is_ok() {} // One attempt covers every queued notice.
     }
 }
