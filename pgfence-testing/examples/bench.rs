@@ -193,14 +193,7 @@ struct Target {
 }
 
 fn target(args: &Args) -> Result<Target, BoxError> {
-    let (mut config, cluster) = match &args.database_url {
-        Some(url) => (url.parse::<tokio_postgres::Config>()?, None),
-        None => {
-            eprintln!("starting a private PostgreSQL cluster ...");
-            let cluster = TestCluster::start()?;
-            (cluster.config(), Some(cluster))
-        }
-    };
+    let (mut config, cluster) = support::server(args.database_url.as_deref())?;
     let mut transport = match config.get_hosts().first() {
         Some(Host::Unix(path)) => format!("unix socket {}", path.display()),
         Some(Host::Tcp(host)) => {

@@ -19,13 +19,15 @@
 //! `max_connections` of 400 bounds `--alone`). With `--json`, one JSON object on stdout (the
 //! text goes to stderr).
 
+#[path = "support/mod.rs"]
+mod support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pgfence::{Histogram, PgKvStore};
-use pgfence_testing::{TestCluster, unique_name};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use pgfence_testing::unique_name;
+use support::BoxError;
 
 const USAGE: &str = "usage: fleet_scale [--fleet 1,10,100,1000] [--alone 1,10,100] [--pool 16] \
 [--ttl-ms 30000] [--hold-secs 30] [--json]";
@@ -75,36 +77,12 @@ fn parse_args() -> Result<Option<Args>, String> {
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(message) => {
-            eprintln!("{message}");
-            std::process::exit(2);
-        }
-    };
-    if cfg!(debug_assertions) {
-        eprintln!("warning: a debug build; its figures are not the library's: use --release");
-    }
-    if let Err(e) = run(&args) {
-        eprintln!("fleet_scale failed: {e}");
-        std::process::exit(1);
-    }
+    support::main("fleet_scale", USAGE, parse_args(), |args| run(&args));
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let url = std::env::var("DATABASE_URL").ok().filter(|url| !url.is_empty());
-    let (config, cluster) = match url {
-        Some(url) => (url.parse::<tokio_postgres::Config>()?, None),
-        None => {
-            eprintln!("starting a private PostgreSQL cluster ...");
-            let cluster = TestCluster::start()?;
-            (cluster.config(), Some(cluster))
-        }
-    };
+    let (config, cluster) = support::server(url.as_deref())?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut runs = Vec::new();
     let mut text = String::new();

@@ -42,7 +42,7 @@ use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
 use pgfence::{PageToken, PgKvStore};
-use pgfence_testing::{Proxy, TestCluster, unique_name};
+use pgfence_testing::{Proxy, unique_name};
 use support::{Baseline, BoxError, NS, SUB, json_str};
 use tokio_postgres::config::Host;
 
@@ -163,14 +163,7 @@ fn main() {
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let url = std::env::var("DATABASE_URL").ok().filter(|url| !url.is_empty());
-    let (config, cluster) = match url {
-        Some(url) => (url.parse::<tokio_postgres::Config>()?, None),
-        None => {
-            eprintln!("starting a private PostgreSQL cluster ...");
-            let cluster = TestCluster::start()?;
-            (cluster.config(), Some(cluster))
-        }
-    };
+    let (config, cluster) = support::server(url.as_deref())?;
     if let Some(size) = &args.shared_buffers {
         let cluster = cluster.as_ref().ok_or("--shared-buffers is for the private cluster")?;
         // The last line of postgresql.conf wins. shared_buffers takes a restart.

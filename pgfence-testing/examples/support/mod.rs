@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use pgfence::PgKvStore;
 use pgfence::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use pgfence_testing::TestCluster;
 use tokio_postgres::NoTls;
 
 /// A boxed error: the benches only report failures, they do not recover from them.
@@ -249,4 +250,19 @@ pub fn json_str(s: &str) -> String {
     }
     out.push('"');
     out
+}
+
+/// The server a command measures: `database_url` if given, else a private cluster started
+/// here. The cluster runs until the returned handle is dropped.
+pub fn server(
+    database_url: Option<&str>,
+) -> Result<(tokio_postgres::Config, Option<TestCluster>), BoxError> {
+    match database_url {
+        Some(url) => Ok((url.parse::<tokio_postgres::Config>()?, None)),
+        None => {
+            eprintln!("starting a private PostgreSQL cluster ...");
+            let cluster = TestCluster::start()?;
+            Ok((cluster.config(), Some(cluster)))
+        }
+    }
 }
