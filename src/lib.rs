@@ -55,7 +55,7 @@ pub use schema::LeaseInfo;
 pub use stats::{FailClosed, Histogram, Operations, PoolStats, Renewals, Shared};
 pub use store::Stats;
 pub use store::blocking;
-pub use store::{Builder, KvStore, Page, PageToken, PgKvStore, Standby, StandbyState};
+pub use store::{Builder, KvStore, Page, PageToken, PgKvStore, PoolMode, Standby, StandbyState};
 /// The driver whose `Config` `builder_from_config` takes, re-exported so versions always match.
 pub use tokio_postgres;
 pub use write::batch::Batch;

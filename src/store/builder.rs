@@ -71,11 +71,33 @@ pub struct Builder {
     pub(crate) application_name: String,
     pub(crate) write_concurrency: usize,
     pub(crate) tls: Tls,
+    pub(crate) pool_mode: PoolMode,
     /// The fleet this builder opens stores in (see [`crate::Fleet::builder`]); `None` for a
     /// store with a pool and a renewal thread of its own.
     pub(crate) fleet: Option<FleetShare>,
     /// The LISTEN connection a standby shares with others; `None`: it makes its own.
     pub(crate) listener: Option<Arc<Listener>>,
+}
+
+/// How the server sessions behind a connection string are shared: [`Builder::pool_mode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PoolMode {
+    /// Each connection keeps one server session until it closes: a direct connection to
+    /// PostgreSQL, or a pooler in session mode (PgBouncer's `pool_mode = session`).
+    ///
+    /// Statements are prepared once per connection and their plans reused. A standby is woken
+    /// by the holder's release at once (LISTEN/NOTIFY). `open()` refuses a transaction pooler
+    /// it detects ([`crate::Error::PoolerModeUnsupported`]).
+    #[default]
+    Session,
+    /// Each transaction may run on another server session, shared with other clients:
+    /// PgBouncer's `pool_mode = transaction`.
+    ///
+    /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
+    /// planned on every execution. No session setting is made. A standby polls the lease
+    /// instead of listening for the release. See docs/deployments.md, section "Poolers".
+    Transaction,
 }
 
 /// What the stores of a fleet share: its pool and its renewal thread. Weak, so that a builder
@@ -157,6 +179,7 @@ impl Builder {
             application_name: default_application_name(),
             write_concurrency: DEFAULT_WRITE_CONCURRENCY,
             tls: Tls::default(),
+            pool_mode: PoolMode::Session,
             fleet: None,
             listener: None,
         }
@@ -293,6 +316,16 @@ impl Builder {
     /// setting this too is refused.
     pub fn tls(mut self, config: rustls::ClientConfig) -> Self {
         self.tls = Tls::rustls(config);
+        self
+    }
+
+    /// How the server sessions behind the connection string are shared (default
+    /// [`PoolMode::Session`]: a direct connection, or a pooler in session mode).
+    ///
+    /// Set [`PoolMode::Transaction`] for PgBouncer (or another pooler) in transaction mode. See
+    /// [`PoolMode`] for what changes.
+    pub fn pool_mode(mut self, mode: PoolMode) -> Self {
+        self.pool_mode = mode;
         self
     }
 

@@ -13,7 +13,7 @@ pub(crate) mod open;
 mod standby;
 mod stats;
 
-pub use builder::Builder;
+pub use builder::{Builder, PoolMode};
 pub(crate) use builder::{FleetShare, Source};
 pub(crate) use listener::Listener;
 pub use standby::{Standby, StandbyState};
