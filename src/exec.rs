@@ -4,11 +4,10 @@
 //! known. Every key operation of [`crate::PgKvStore`] ends here. The SQL it runs comes from
 //! [`crate::sql`].
 
-use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio_postgres::Row;
@@ -17,7 +16,7 @@ use tokio_postgres::types::ToSql;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
-use crate::sql::{self, Statements};
+use crate::sql::Statements;
 use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
@@ -39,8 +38,9 @@ pub(crate) struct Executor {
     pub(crate) drop_timeout: Duration,
     /// How long an operation retries a broken connection or an unavailable server.
     pub(crate) retry_for: Duration,
-    /// The server process of each pooled connection, by pool object (see [`Executor::run`]).
-    pub(crate) backends: Mutex<HashMap<deadpool::managed::ObjectId, Backend>>,
+    /// Held while the store changes its owner id to fence off a statement of its own
+    /// ([`Executor::fence_own`]), so one change at a time, and a fence check waits for it.
+    pub(crate) fencing: tokio::sync::Mutex<()>,
 }
 
 impl Executor {
@@ -92,7 +92,8 @@ impl Executor {
     }
 
     /// Runs a fenced mutation statement (one that returns whether the lease was held) while
-    /// the caller holds the turns of every key it changes. `Ok` means committed.
+    /// the caller holds the turns of every key it changes. `Ok` means committed. The owner id
+    /// is its first parameter, which this adds in front of `params`.
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
@@ -144,14 +145,17 @@ impl Executor {
     ///
     /// # A connection that broke after a mutation was sent
     ///
-    /// The mutation's outcome is unknown. Worse, its server process may still be running it.
-    /// PostgreSQL notices a vanished client only when it next writes to the socket. So the
-    /// statement can commit later, after a retry and after a later call of the same
-    /// key. So before retrying, the old server process is terminated and awaited. Once it is
-    /// gone, its transaction is decided. The retry writes the same value under the same key
-    /// turns, and lands after it. If that cannot be confirmed, the store fails closed rather
-    /// than risk a later call being overwritten. See docs/design.md, section "A broken
-    /// connection mid-write".
+    /// The mutation's outcome is unknown. Worse, it may still be running on the server, or be
+    /// on its way there. PostgreSQL notices a vanished client only when it next writes to the
+    /// socket. So the statement can commit later, after a retry and after a later call of the
+    /// same key. So before retrying, the store changes its owner id in the lease row
+    /// ([`Executor::fence_own`]). Once that commits, nothing sent with the old id can land.
+    /// The retry writes the same value under the same key turns, and lands after it. If the
+    /// change cannot be confirmed, the store fails closed rather than risk a later call being
+    /// overwritten. See docs/design.md, section "A broken connection mid-write".
+    ///
+    /// A mutation that finds the lease not held by the id it sent, because the store changed
+    /// its id meanwhile, wrote nothing. It is sent again with the new id.
     ///
     /// # An attempt unanswered at the local deadline
     ///
@@ -178,19 +182,12 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
-        // Armed from the first attempt that broke after it was sent until this returns. The
-        // old session being gone only means nothing of it can land *later*. It may have
-        // committed already. Every return settles it: `Ok` is a committed retry. Every error
+        // Armed from the first attempt that broke after it was sent until this returns. Its
+        // being fenced off only means nothing of it can land *later*. It may have committed
+        // already. Every return settles it: `Ok` is a committed retry. Every error
         // after such an attempt has failed the store closed already.
         let mut unresolved = None;
         let mut result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
-        if mutation {
-            // A fenced statement answers whether the lease was held; if not, it wrote nothing.
-            result = result.and_then(|rows| match rows.first().is_some_and(|row| row.get(0)) {
-                true => Ok(rows),
-                false => Err(self.lease.fail(LossReason::Fenced)),
-            });
-        }
         if let Some(unresolved) = unresolved {
             unresolved.settled();
             if matches!(result, Err(Error::Closed)) {
@@ -216,19 +213,22 @@ impl Executor {
         let mut backoff = Duration::from_millis(50);
         loop {
             self.lease.check()?;
-            let mut sent_to: Option<Backend> = None;
+            let (owner, generation) = self.lease.owner();
             let mut pending: Option<OutcomePending<'_>> = None;
             let attempt = async {
                 let client =
                     self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
                 let client = Checkout(Some(client));
                 let statements = async {
-                    let backend = if mutation { Some(self.backend(&client).await?) } else { None };
                     let statement =
                         client.prepare_cached(sql).await.map_err(Error::db(operation))?;
-                    pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
-                    sent_to = backend;
-                    client.query(&statement, params).await.map_err(Error::db(operation))
+                    let mut all: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(params.len() + 1);
+                    if mutation {
+                        all.push(&owner);
+                        pending = Some(OutcomePending { lease: &self.lease });
+                    }
+                    all.extend_from_slice(params);
+                    client.query(&statement, &all).await.map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -258,23 +258,30 @@ impl Executor {
                 pending.settled(); // The loss is reported here, to the caller.
                 return Err(self.lease.fail_sent(LossReason::DeadlinePassed));
             };
-            let gone = match (&result, &sent_to) {
-                (Err(e), Some(backend)) if e.is_retryable() => {
+            let fenced = match &result {
+                Err(e) if e.is_retryable() && pending.is_some() => {
                     // Armed once, by the first attempt that broke, and built lazily. A guard
                     // built for a later one and dropped, armed, would fail the store closed at
                     // once, and abort the process under `Abort`. The retries could not go on.
                     unresolved.get_or_insert_with(|| OutcomePending { lease: &self.lease });
-                    self.await_backend_gone(backend).await
+                    self.fence_own(generation).await
                 }
                 _ => Ok(()),
             };
-            // The outcome is known, or the old session is gone, or (`gone` is Err) the store
-            // has already failed closed.
+            // The outcome is known, or the attempt is fenced off, or (`fenced` is Err) the
+            // store has already failed closed.
             if let Some(pending) = pending {
                 pending.settled();
             }
-            gone?;
+            fenced?;
             match result {
+                // A fenced statement answers whether the lease was held; if not, it wrote
+                // nothing. The store's own change of owner id may be why: then it goes again.
+                Ok(rows) if mutation && !rows.first().is_some_and(|row| row.get::<_, bool>(0)) => {
+                    if !self.owner_changed_since(generation).await {
+                        return Err(self.lease.fail(LossReason::Fenced));
+                    }
+                }
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
                     tracing::warn!(operation, error = %e, ?backoff, "pgfence retrying on a fresh \
                         connection");
@@ -306,56 +313,42 @@ impl Executor {
         }
     }
 
-    /// The server process behind a pooled connection, asked once per connection.
-    async fn backend(&self, client: &deadpool_postgres::Object) -> Result<Backend> {
-        let id = deadpool_postgres::Object::id(client);
-        let known = self.backends.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
-        if let Some(backend) = known {
-            return Ok(backend);
-        }
-        let row = client
-            .query_one(sql::BACKEND_IDENTITY, &[])
-            .await
-            .map_err(Error::db("identify connection"))?;
-        let started: Option<SystemTime> = row.get(1);
-        let Some(started) = started else {
-            // open() checked this; a role change since (SET ROLE in a pool hook?) breaks it.
-            return Err(Error::config("role", "the connection cannot see its own session"));
-        };
-        let backend = Backend { pid: row.get(0), started };
-        let mut backends = self.backends.lock().unwrap_or_else(|e| e.into_inner());
-        if backends.len() >= 4 * self.pool.status().max_size.max(16) {
-            // Entries of connections long gone; the live ones are asked again on next use.
-            backends.clear();
-        }
-        backends.insert(id, backend.clone());
-        Ok(backend)
+    /// Whether the store changed its owner id since `generation`, waiting for a change under
+    /// way to be decided first.
+    async fn owner_changed_since(&self, generation: u32) -> bool {
+        let _fencing = self.fencing.lock().await;
+        self.lease.owner().1 > generation
     }
 
-    /// Terminates the server process of a connection that broke under a mutation and waits
-    /// until it is gone (see [`Executor::run`]). Fails closed if that cannot be confirmed in time,
-    /// that is within `retry_for` and before the local deadline.
-    async fn await_backend_gone(&self, backend: &Backend) -> Result<()> {
+    /// Fences off every statement this store sent with the owner id of `generation`: changes
+    /// the id in the lease row ([`sql::CHANGE_OWNER`]), unless a change since did so already.
+    /// See [`Executor::run`]. Fails closed if that cannot be confirmed in time, that is within
+    /// `retry_for` and before the local deadline, or if the lease is no longer ours.
+    ///
+    /// It waits for the store's statements that hold the lease row, the one that broke among
+    /// them if it is still running. Meanwhile the others go on; a write that finds the new id
+    /// in the row is sent again ([`Executor::owner_changed_since`]).
+    async fn fence_own(&self, generation: u32) -> Result<()> {
+        let operation = "fence own statements";
+        let _fencing = self.fencing.lock().await;
+        if self.lease.owner().1 > generation {
+            return Ok(()); // Changed after that statement was sent: it is fenced off already.
+        }
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(20);
         loop {
             // A lost lease fails every later operation of this store, so no later call can be
             // overwritten. The old statement, if it commits, still commits before any takeover.
             self.lease.check()?;
+            // A new id each attempt: one whose change went unanswered may commit later, and
+            // renewal and release match it from now on.
+            let (ids, next) = self.lease.next_owner();
             let attempt = async {
-                let client = self.pool.get("end broken session").await?;
-                let client = Checkout(Some(client));
-                let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
-                let ended = async {
-                    client.query(sql::TERMINATE_BACKEND, &params).await?;
-                    while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    Ok(())
-                };
-                let ended = ended.await.map_err(Error::db("end broken session"));
-                client.answered(); // Each statement sent got its answer, an error included.
-                ended
+                let client = Checkout::new(self.pool.get(operation).await?);
+                let params: [&(dyn ToSql + Sync); 2] = [&ids, &next];
+                let changed = client.query(&self.statements.change_owner, &params).await;
+                client.answered(); // Answered, an error included.
+                changed.map_err(Error::db(operation))
             };
             let left = self.retry_for.saturating_sub(started.elapsed());
             let outcome = tokio::select! {
@@ -366,8 +359,11 @@ impl Executor {
                 }
             };
             match outcome {
-                Ok(Ok(())) => {
-                    tracing::debug!(pid = backend.pid, "pgfence broken session is gone");
+                Ok(Ok(rows)) if rows.is_empty() => return Err(self.lease.fail(LossReason::Fenced)),
+                Ok(Ok(_)) => {
+                    self.lease.owner_changed(next);
+                    tracing::info!(owner_id = %next, "pgfence changed its owner id to fence off \
+                        a write whose connection broke");
                     return Ok(());
                 }
                 Ok(Err(e)) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
@@ -375,14 +371,13 @@ impl Executor {
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
                 Ok(Err(e)) => {
-                    tracing::error!(pid = backend.pid, error = %e,
-                        "pgfence cannot end the session of a write with an unknown outcome");
+                    tracing::error!(error = %e,
+                        "pgfence cannot fence off a write with an unknown outcome");
                     return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
                 }
                 Err(_) => {
                     tracing::error!(
-                        pid = backend.pid,
-                        "pgfence session of a write with an unknown outcome did not end in time"
+                        "pgfence could not fence off a write with an unknown outcome in time"
                     );
                     return Err(self.lease.fail(LossReason::WriteOutcomeUnknown));
                 }
@@ -435,13 +430,6 @@ pub(crate) fn value_or_not_found(
             key,
         )))),
     }
-}
-
-/// A PostgreSQL server process: its pid and start time (a pid alone may be reused).
-#[derive(Debug, Clone)]
-pub(crate) struct Backend {
-    pub(crate) pid: i32,
-    pub(crate) started: SystemTime,
 }
 
 /// Runs a mutation of kind `op` in a task of its own ([`detached`]), and counts it.
@@ -521,6 +509,12 @@ impl std::ops::Deref for Checkout {
     }
 }
 
+impl std::ops::DerefMut for Checkout {
+    fn deref_mut(&mut self) -> &mut deadpool_postgres::Object {
+        self.0.as_mut().expect("a checkout holds its connection until answered or dropped")
+    }
+}
+
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(object) = self.0.take() {
@@ -545,8 +539,8 @@ struct OutcomePending<'a> {
 }
 
 impl OutcomePending<'_> {
-    /// The statement's outcome is known (or, after a broken connection, its server process is
-    /// confirmed gone): nothing of it can land later.
+    /// The statement's outcome is known (or, after a broken connection, it is fenced off):
+    /// nothing of it can land later.
     fn settled(self) {
         std::mem::forget(self); // Holds only a reference: nothing leaks.
     }
@@ -576,15 +570,4 @@ impl Drop for Executor {
 /// Closes a connection of the pool instead of handing it back (see [`Checkout`]).
 pub(crate) fn discard(client: deadpool_postgres::Object) {
     drop(deadpool_postgres::Object::take(client));
-}
-
-/// The server process of a connection: `None` when the role cannot see it (the setup then
-/// refuses the role).
-pub(crate) async fn identify(client: &tokio_postgres::Client) -> Result<Option<Backend>> {
-    let row = client
-        .query_one(sql::BACKEND_IDENTITY, &[])
-        .await
-        .map_err(Error::db("identify connection"))?;
-    let started: Option<SystemTime> = row.get(1);
-    Ok(started.map(|started| Backend { pid: row.get(0), started }))
 }

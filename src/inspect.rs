@@ -149,7 +149,7 @@ impl Inspector {
             .map_err(Error::db("resolve table schema"))?;
         drop(client);
         let rows = self
-            .query("force release", &self.statements.release, &[&held.owner_id, &channel])
+            .query("force release", &self.statements.release, &[&vec![held.owner_id], &channel])
             .await?
             .unwrap_or_default();
         // Empty: the lease expired or changed hands between the two statements. The release

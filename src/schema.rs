@@ -160,20 +160,6 @@ async fn prepare(
     tx.execute(sql::SETUP_IDLE_TIMEOUT, &[&ttl.as_millis().to_string()])
         .await
         .map_err(Error::db("setup timeouts"))?;
-    let control: Option<bool> = tx
-        .query_one(sql::SESSION_CONTROL, &[])
-        .await
-        .map_err(Error::db("check session privileges"))?
-        .get(0);
-    if control != Some(true) {
-        return Err(Error::config(
-            "role",
-            "the connection's current role cannot see or end its own login role's sessions \
-             (after SET ROLE? or EXECUTE on pg_terminate_backend revoked?); pgfence must be \
-             able to end the session of a write whose outcome is unknown: connect as the \
-             owning role, or grant it the login role and EXECUTE on pg_terminate_backend",
-        ));
-    }
     tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
         .await
         .map_err(Error::db("setup lock"))?;

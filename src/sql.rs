@@ -178,24 +178,41 @@ SELECT owner_id, epoch, holder_host, holder_pid, holder_app,
 /// Extends our lease. It changes only `expires_at`, not a key column. So it takes a FOR NO KEY
 /// UPDATE row lock, which does not conflict with the writers' FOR KEY SHARE. Heavy write traffic
 /// therefore cannot starve renewal. No row means the lease is no longer ours, or already
-/// expired, which must not be resurrected.
+/// expired, which must not be resurrected. `$1` is every owner id of this store (see
+/// [`CHANGE_OWNER`]).
 pub(crate) const RENEW: &str = r#"
 UPDATE {lease}
    SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
- WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+ WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
 RETURNING epoch"#;
 
-/// Gives the lease up by owner id: a stale store can never release its successor's lease.
-/// Expires the row now and keeps the epoch counter. `pg_notify` (delivered at commit) wakes
-/// standbys listening on the table's channel.
+/// Gives the lease up by owner id (`$1`: every owner id of this store): a stale store can never
+/// release its successor's lease. Expires the row now and keeps the epoch counter. `pg_notify`
+/// (delivered at commit) wakes standbys listening on the table's channel.
 pub(crate) const RELEASE: &str = r#"
 WITH released AS (
     UPDATE {lease}
        SET expires_at = clock_timestamp()
-     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+     WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
     RETURNING epoch
 )
 SELECT epoch, pg_notify($2, epoch::text) FROM released"#;
+
+/// The store's self-fence: writes a new owner id (`$2`) in place of any of the store's own
+/// (`$1`), keeping the epoch. No row: the lease is no longer ours.
+///
+/// A statement whose connection broke may still be running on the server, or still be on its
+/// way there, and commit after a retry. Changing `owner_id`, a key column, does to it what a
+/// takeover does to a former holder's writes. It waits for every statement that holds the
+/// lease row FOR KEY SHARE, so those have committed or rolled back when it commits. Any
+/// statement that locks the row after that re-reads it (read committed), finds another owner
+/// id, and writes nothing. So after this, nothing sent with an earlier id can land. That needs
+/// no server process id, so it holds behind a transaction pooler too.
+pub(crate) const CHANGE_OWNER: &str = r#"
+UPDATE {lease}
+   SET owner_id = $2
+ WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
+RETURNING epoch"#;
 
 /// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
 /// (FOR KEY SHARE) only if we own it and it has not expired. The lock is held until commit, so
@@ -339,42 +356,9 @@ pub(crate) const ENTRIES: &str = r#"
 SELECT primary_namespace, secondary_namespace, key, value FROM {kv}
  ORDER BY primary_namespace, secondary_namespace, key"#;
 
-/// The identity of the connection's server process: its pid and start time (a pid alone may
-/// be reused). Asked once per pooled connection, before its first mutation.
-pub(crate) const BACKEND_IDENTITY: &str =
-    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()";
-
 /// The server process serving this statement. Sent with the simple query protocol: it names
 /// no prepared statement, which a pooler in transaction mode may not keep.
 pub(crate) const BACKEND_PID: &str = "SELECT pg_backend_pid()";
-
-/// Whether this session's role may see and end the store's own sessions. Ending the session
-/// of a write with an unknown outcome needs that (see `TERMINATE_BACKEND`). Seeing and
-/// signalling require the privileges of the session (login) user: false after `SET ROLE` to a
-/// role without them. Calling `pg_terminate_backend` at all requires EXECUTE on it, which a
-/// hardened database may have revoked from PUBLIC. Its signature is `(integer, bigint)` since
-/// PostgreSQL 14 and `(integer)` before: whichever exists is checked.
-pub(crate) const SESSION_CONTROL: &str = r#"
-SELECT backend_start IS NOT NULL
-       AND (pg_has_role(session_user, 'MEMBER') OR pg_has_role('pg_signal_backend', 'MEMBER'))
-       AND coalesce(
-             has_function_privilege(
-               to_regprocedure('pg_catalog.pg_terminate_backend(integer, bigint)'), 'EXECUTE'),
-             has_function_privilege(
-               to_regprocedure('pg_catalog.pg_terminate_backend(integer)'), 'EXECUTE'))
-  FROM pg_stat_activity
- WHERE pid = pg_backend_pid()"#;
-
-/// Ends a server process whose connection broke under a mutation: PostgreSQL notices a
-/// vanished client only when it next writes to the socket, so the statement may still run and
-/// commit later. Ordering requires that it be over before the mutation is retried.
-pub(crate) const TERMINATE_BACKEND: &str = r#"
-SELECT pg_catalog.pg_terminate_backend(pid) FROM pg_stat_activity
- WHERE pid = $1 AND backend_start = $2"#;
-
-/// Whether that server process still exists (its transaction, if any, is undecided).
-pub(crate) const BACKEND_ALIVE: &str = r#"
-SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"#;
 
 /// Migrations, numbered from 1, embedded at build time. `{kv_created_index}` names an index
 /// (unqualified: PostgreSQL puts it in the table's schema).
@@ -396,6 +380,7 @@ pub(crate) struct Statements {
     pub(crate) holder: String,
     pub(crate) renew: String,
     pub(crate) release: String,
+    pub(crate) change_owner: String,
     pub(crate) write: String,
     pub(crate) remove: String,
     pub(crate) batch: String,
@@ -420,6 +405,7 @@ impl Statements {
             holder: s(HOLDER),
             renew: s(RENEW),
             release: s(RELEASE),
+            change_owner: s(CHANGE_OWNER),
             write: s(WRITE),
             remove: s(REMOVE),
             batch: s(BATCH),

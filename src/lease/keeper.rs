@@ -566,7 +566,7 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Resu
     let rows = session
         .conn
         .client()
-        .query(&session.renew, &[&lease.owner_id, &ttl_ms])
+        .query(&session.renew, &[&lease.owner_ids(), &ttl_ms])
         .await
         .map_err(Error::db("renew lease"))?;
     Ok(if rows.is_empty() { Renewal::NotOurs } else { Renewal::Extended })
@@ -577,7 +577,7 @@ async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Re
     let rows = session
         .conn
         .client()
-        .query(&config.release_sql, &[&lease.owner_id, &config.notify_channel])
+        .query(&config.release_sql, &[&lease.owner_ids(), &config.notify_channel])
         .await
         .map_err(Error::db("release lease"))?;
     if rows.is_empty() {

@@ -55,7 +55,8 @@ pub enum LeaseState {
 /// The held lease, shared by the store, its outstanding operations and the renewal thread.
 #[derive(Debug)]
 pub(crate) struct Lease {
-    pub(crate) owner_id: Uuid,
+    /// The owner ids this store has written to the lease row (see [`Owners`]).
+    owners: Mutex<Owners>,
     pub(crate) epoch: i64,
     pub(crate) table: String,
     /// How long after the start of a confirmed renewal the lease is still trusted locally.
@@ -69,6 +70,23 @@ pub(crate) struct Lease {
     /// The store's counters. Here because the lease is what the store's operations and its
     /// renewal thread all share.
     pub(crate) stats: Recorder,
+}
+
+/// The owner ids of one acquisition.
+///
+/// The lease row holds one of them. The store changes it to fence off a statement of its own
+/// whose connection broke ([`Lease::next_owner`]): that statement can then no longer lock the
+/// row, as a former holder's cannot. Every id is this store's alone. So renewal and release
+/// match any of them; one whose change went unanswered may be the row's.
+#[derive(Debug)]
+struct Owners {
+    /// What mutations send: the id last confirmed in the row.
+    current: Uuid,
+    /// How many changes were confirmed: a statement sent at generation `g` is fenced once it is
+    /// greater than `g`.
+    generation: u32,
+    /// Every id ever sent, confirmed or not.
+    all: Vec<Uuid>,
 }
 
 /// What [`Lease::tracked`] holds.
@@ -171,7 +189,7 @@ impl Lease {
         stats.lease(true, epoch);
         Lease {
             stats,
-            owner_id,
+            owners: Mutex::new(Owners { current: owner_id, generation: 0, all: vec![owner_id] }),
             epoch,
             table,
             deadline_after,
@@ -182,6 +200,39 @@ impl Lease {
             published: watch::Sender::new(LeaseState::Held { epoch }),
             policy,
         }
+    }
+
+    fn owners(&self) -> std::sync::MutexGuard<'_, Owners> {
+        self.owners.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The owner id a mutation sends now, and its generation.
+    pub(crate) fn owner(&self) -> (Uuid, u32) {
+        let owners = self.owners();
+        (owners.current, owners.generation)
+    }
+
+    /// Every owner id this store may have left in the lease row: what renewal and release match.
+    pub(crate) fn owner_ids(&self) -> Vec<Uuid> {
+        self.owners().all.clone()
+    }
+
+    /// A new owner id, to be written in place of any of this store's. It joins the ids that
+    /// renewal and release match before it is sent: its change may commit unanswered.
+    pub(crate) fn next_owner(&self) -> (Vec<Uuid>, Uuid) {
+        let mut owners = self.owners();
+        let next = Uuid::new_v4();
+        let ids = owners.all.clone();
+        owners.all.push(next);
+        (ids, next)
+    }
+
+    /// The lease row now holds `owner` (from [`Lease::next_owner`]): every statement sent with an
+    /// earlier id is fenced.
+    pub(crate) fn owner_changed(&self, owner: Uuid) {
+        let mut owners = self.owners();
+        owners.current = owner;
+        owners.generation += 1;
     }
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<LeaseState> {

@@ -352,8 +352,8 @@ impl Builder {
     /// setup lock of a concurrent `open()`, at the fence for the old holder's in-flight writes,
     /// or for a silent server. Nothing is committed then, and the lease is never taken later.
     ///
-    /// - If the commit was sent and not yet answered, that setup's server process is ended.
-    ///   The lease is then released by its owner id, in case the commit took it.
+    /// - If the commit was sent and not yet answered, the lease is released by its owner id,
+    ///   in case the commit took it, once that setup's transaction has ended.
     /// - That release is given up after `connect_timeout`; the lease then expires by its TTL.
     /// - A store already opened (gathering statistics) is closed, which releases the lease.
     /// - A connection left waiting for an answer is closed, never handed back to a pool.

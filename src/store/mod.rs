@@ -374,9 +374,11 @@ impl PgKvStore {
         self.exec.lease.epoch
     }
 
-    /// This store's owner id in the lease row (unique per acquisition).
+    /// This store's owner id in the lease row now. Every id is this store's alone. It changes,
+    /// with the same fencing token, when the store fences off a write of its own whose
+    /// connection broke (see docs/design.md, section "A broken connection mid-write").
     pub fn owner_id(&self) -> Uuid {
-        self.exec.lease.owner_id
+        self.exec.lease.owner().0
     }
 
     /// The table, as configured.

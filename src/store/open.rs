@@ -1,10 +1,9 @@
 //! The open sequence: connect, set up the schema and take the lease in one transaction, start
 //! renewal, and assemble the store. [`Builder::open`] and [`Builder::open_until`] document it.
 
-use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::PoolError;
@@ -18,7 +17,7 @@ use super::PgKvStore;
 use super::builder::{Builder, Source};
 use crate::connect;
 use crate::error::{Error, Result};
-use crate::exec::{Backend, Checkout, Executor, detached, discard, identify};
+use crate::exec::{Checkout, Executor, detached, discard};
 use crate::keys::TableName;
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease};
 use crate::schema::{self, Holder, SetupFailed};
@@ -132,8 +131,7 @@ async fn open_here(
     // pooled connection may have gone silent while idle (a middlebox that hung). It then costs
     // this attempt, which a standby retries, instead of holding it up for good.
     let checks = async {
-        // First: the checks below and the setup use prepared statements, and ending a
-        // session by pid is only safe with a session of our own.
+        // First: the checks below and the setup use prepared statements.
         if !reuse.checked.load(Ordering::Relaxed) {
             connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
             if let Source::Pool(_) = &builder.source {
@@ -141,10 +139,9 @@ async fn open_here(
             }
             reuse.checked.store(true, Ordering::Relaxed);
         }
-        // Known before the setup, so that a setup whose commit goes unanswered can be ended.
-        identify(&client).await
+        Ok(())
     };
-    let backend = match answered_in_time(&mut caller, builder.connect_timeout, checks).await {
+    match answered_in_time(&mut caller, builder.connect_timeout, checks).await {
         Some(checked) => checked?,
         None => {
             discard(client);
@@ -173,10 +170,9 @@ async fn open_here(
                 // Closed before the release below needs a connection of the same pool.
                 discard(client);
             }
-            if let Some(backend) = backend.filter(|_| commit_unanswered) {
+            if commit_unanswered {
                 let owner_id = holder.owner_id;
-                let release =
-                    release_unanswered_setup(&pool, &table, &statements, &backend, owner_id);
+                let release = release_unanswered_setup(&pool, &table, &statements, owner_id);
                 if tokio::time::timeout(builder.connect_timeout, release).await.is_err() {
                     tracing::warn!(target: LOG, table = %table.display(),
                         "pgfence could not release a lease whose setup commit went unanswered in \
@@ -219,7 +215,8 @@ async fn open_here(
             // stopped answering would hold the opening up for good. The lease then expires by
             // its TTL. The connection, left with the release unanswered, is closed rather than
             // handed back to the pool.
-            let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
+            let owners = [acquired.owner_id];
+            let params: [&(dyn ToSql + Sync); 2] = [&&owners[..], &acquired.channel];
             let release = client.query(&statements.release, &params);
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
@@ -288,7 +285,7 @@ async fn open_here(
             page_size: builder.page_size,
             drop_timeout: builder.drop_timeout,
             retry_for: builder.lease_ttl,
-            backends: Mutex::new(HashMap::new()),
+            fencing: tokio::sync::Mutex::new(()),
         }),
         writes: Arc::new(Writes::new(
             builder.write_concurrency,
@@ -380,30 +377,33 @@ fn is_abandoned(caller: &mut oneshot::Receiver<()>) -> bool {
 /// That commit may have taken the lease, and no store would renew or release it. So it would
 /// stay held by nobody until it expires, and a standby retrying would wait for it.
 ///
-/// So this ends the setup's server process and waits until it is gone. Its transaction is
-/// decided then; a release before that could miss a commit still on its way. It then releases
-/// the lease by the setup's owner id, which matches nothing if the commit did not happen. This
-/// is best effort: the lease expires by its TTL otherwise.
+/// So this takes the setup lock ([`sql::SETUP_LOCK`]), which the setup transaction holds until
+/// it ends. Its commit, if any, is then decided; a release before that could miss a commit
+/// still on its way. In the same transaction it releases the lease by the setup's owner id,
+/// which matches nothing if the commit did not happen. No server process is ended, so this is
+/// safe behind a transaction pooler too. This is best effort: the lease expires by its TTL
+/// otherwise. A setup whose commit never reached the server holds the lock until the server
+/// ends it, one TTL idle in its transaction ([`sql::SETUP_IDLE_TIMEOUT`]); the caller gives up
+/// waiting before that.
 async fn release_unanswered_setup(
     pool: &connect::Pool,
     table: &TableName,
     statements: &Statements,
-    backend: &Backend,
     owner_id: Uuid,
 ) {
     let operation = "release after an unanswered setup commit";
     let attempt = async {
         // Closed, not handed back, if this attempt is given up with a statement unanswered
         // (the caller's timeout): the pool may be the application's own.
-        let client = Checkout::new(pool.get(operation).await?);
-        let params: [&(dyn ToSql + Sync); 2] = [&backend.pid, &backend.started];
+        let mut client = Checkout::new(pool.get(operation).await?);
         let released = async {
-            client.query(sql::TERMINATE_BACKEND, &params).await?;
-            while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            let channel = schema::notify_channel(&***client, table).await?;
-            client.query(&statements.release, &[&owner_id, &channel]).await
+            let tx = client.transaction().await?;
+            tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
+                .await?;
+            let channel = schema::notify_channel(&*tx, table).await?;
+            let rows = tx.query(&statements.release, &[&vec![owner_id], &channel]).await?;
+            tx.commit().await?;
+            Ok(rows)
         };
         let released = released.await;
         client.answered();

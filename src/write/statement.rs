@@ -19,15 +19,12 @@ pub(crate) async fn apply_alone(
     path: &KeyPath,
     mutation: &Mutation,
 ) -> Result<()> {
-    let owner = exec.lease.owner_id;
     let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
     match mutation {
         Mutation::Write(value) => {
-            exec.fenced("write", &exec.statements.write, &[&owner, pn, sn, key, value]).await
+            exec.fenced("write", &exec.statements.write, &[pn, sn, key, value]).await
         }
-        Mutation::Remove => {
-            exec.fenced("remove", &exec.statements.remove, &[&owner, pn, sn, key]).await
-        }
+        Mutation::Remove => exec.fenced("remove", &exec.statements.remove, &[pn, sn, key]).await,
     }
 }
 
@@ -49,9 +46,8 @@ pub(crate) async fn apply_fenced<'a>(
             Mutation::Remove => removes.push(path),
         }
     }
-    let owner = exec.lease.owner_id;
     let statements = &exec.statements;
-    let puts = [&owner as &(dyn ToSql + Sync), &puts.primary, &puts.secondary, &puts.key, &values];
+    let puts = [&puts.primary as &(dyn ToSql + Sync), &puts.secondary, &puts.key, &values];
     if removes.key.is_empty() {
         return exec.fenced("batch", &statements.batch_put, &puts).await;
     }
