@@ -123,14 +123,27 @@ pub(crate) async fn setup_and_acquire(
         _ = &mut *caller => None,
         committed = tx.commit() => Some(committed),
     };
-    match committed {
-        Some(Ok(())) => Ok(acquired),
-        Some(Err(e)) => {
-            let commit_unanswered = is_connection_error(&e);
-            Err(SetupFailed { error: Error::db("commit setup")(e), commit_unanswered })
+    let failed = match committed {
+        Some(Ok(())) => return Ok(acquired),
+        Some(Err(e)) if !is_connection_error(&e) => {
+            return Err(SetupFailed {
+                error: Error::db("commit setup")(e),
+                commit_unanswered: false,
+            });
         }
-        None => Err(SetupFailed { error: Error::Closed, commit_unanswered: true }),
+        Some(Err(e)) => {
+            SetupFailed { error: Error::db("commit setup")(e), commit_unanswered: true }
+        }
+        None => SetupFailed { error: Error::Closed, commit_unanswered: true },
+    };
+    // The commit may still be running on the server, waiting for a lock or a synchronous
+    // standby, say. A cancel request ends that wait; it carries the session's secret key, so it
+    // can reach no other session, behind a pooler either. The caller then releases by owner id
+    // (`release_unanswered_setup`), in case the commit got through.
+    if let Err(e) = tls.cancel(&cancel, cancel_within).await {
+        tracing::warn!(error = %e, "pgfence could not cancel an unanswered setup commit");
     }
+    Err(failed)
 }
 
 /// Why [`setup_and_acquire`] failed.

@@ -360,6 +360,10 @@ SELECT primary_namespace, secondary_namespace, key, value FROM {kv}
 /// no prepared statement, which a pooler in transaction mode may not keep.
 pub(crate) const BACKEND_PID: &str = "SELECT pg_backend_pid()";
 
+/// A round trip and nothing else: whether a connection that was idle still answers. Simple
+/// protocol, so no prepared statement.
+pub(crate) const PING: &str = "SELECT 1";
+
 /// Migrations, numbered from 1, embedded at build time. `{kv_created_index}` names an index
 /// (unqualified: PostgreSQL puts it in the table's schema).
 pub(crate) const MIGRATIONS: &[(i32, &str)] = &[

@@ -1363,7 +1363,6 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     assert_eq!(find(&fresh, "connection").0, "pass", "{fresh}");
     assert_ne!(find(&fresh, "server version").0, "fail", "{fresh}");
     assert_eq!(find(&fresh, "privileges").0, "pass", "the administrator: {fresh}");
-    assert_eq!(find(&fresh, "session control").0, "pass", "{fresh}");
     let wal = find(&fresh, "wal timeline");
     assert!(wal.0 == "pass" && wal.1.contains("timeline 1"), "a primary's WAL: {fresh}");
     assert_eq!(find(&fresh, "clock").0, "pass", "the same machine: {fresh}");

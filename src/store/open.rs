@@ -138,6 +138,9 @@ async fn open_here(
                 check_pool_isolation(&client).await?;
             }
             reuse.checked.store(true, Ordering::Relaxed);
+        } else {
+            // The one quick statement on a connection reused from an earlier attempt.
+            client.batch_execute(sql::PING).await.map_err(Error::db("check connection"))?;
         }
         Ok(())
     };

@@ -166,8 +166,9 @@ async fn open_until_stopped_while_a_failed_setup_rolls_back_returns_at_once() {
 }
 
 /// The setup's `COMMIT` waits on the server. That commit may still take the lease, so before
-/// it returns the opening ends the setup's server process and releases by its owner id: the
-/// lease stays free, and nothing of the opening is left on the server.
+/// it returns the opening cancels it, waits for the setup's transaction to end (its setup
+/// lock), and releases by its owner id: the lease stays free, and nothing of the opening is
+/// left on the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_until_stopped_while_its_commit_is_unanswered_leaves_the_lease_free() {
     let (t, gate) = commit_gated_table("commitgate").await;

@@ -52,7 +52,6 @@ const DOCTOR_FACTS: &str = "SELECT
     extract(epoch FROM clock_timestamp())::float8,
     current_user::text,
     (SELECT rolsuper FROM pg_roles WHERE rolname = current_user),
-    current_user = session_user,
     to_regclass($1::text) IS NOT NULL,
     to_regclass($2::text) IS NOT NULL,
     to_regclass($3::text) IS NOT NULL,
@@ -193,12 +192,11 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
     } else {
         check("clock", Status::Pass, format!("within {} of the server", secs(difference.max(rtt))))
     });
-    let (role, superuser, own_role): (String, Option<bool>, bool) =
-        (facts.get(8), facts.get(9), facts.get(10));
+    let (role, superuser): (String, Option<bool>) = (facts.get(8), facts.get(9));
     let (has_kv, has_lease, has_version): (bool, bool, bool) =
-        (facts.get(11), facts.get(12), facts.get(13));
+        (facts.get(10), facts.get(11), facts.get(12));
     let (schema_name, can_create, kv_rights, lease_rights): (String, bool, bool, bool) =
-        (facts.get(14), facts.get(15), facts.get(16), facts.get(17));
+        (facts.get(13), facts.get(14), facts.get(15), facts.get(16));
     let superuser = superuser.unwrap_or(false);
     checks.push(match (has_kv, can_create || superuser) {
         (true, _) if kv_rights && lease_rights => {
@@ -218,12 +216,6 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         (false, false) => check("privileges", Status::Fail, format!(
             "{role} cannot create the tables: GRANT CREATE ON SCHEMA {schema_name} TO {role}"
         )),
-    });
-    checks.push(if own_role || superuser {
-        check("session control", Status::Pass, format!("{role} can end its own sessions"))
-    } else {
-        check("session control", Status::Fail,
-            "current_user differs from the login role (SET ROLE): pgfence could not end a              session whose write may still commit; log in as the role that owns the tables")
     });
     // Acquisition takes its epoch floor from the WAL timeline (src/sql.rs, ACQUIRE). A role
     // whose EXECUTE on these functions was revoked could never acquire the lease.
@@ -245,7 +237,7 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         ),
     });
     drop(client);
-    let server_end: (Option<String>, Option<i32>) = (facts.get(18), facts.get(19));
+    let server_end: (Option<String>, Option<i32>) = (facts.get(17), facts.get(18));
     let session = match builder.clone().inspect().await {
         Ok(inspector) => inspector.check_session().await,
         Err(e) => Err(e),
