@@ -323,7 +323,9 @@ impl Executor {
     /// Fences off every statement this store sent with the owner id of `generation`: changes
     /// the id in the lease row ([`sql::CHANGE_OWNER`]), unless a change since did so already.
     /// See [`Executor::run`]. Fails closed if that cannot be confirmed in time, that is within
-    /// `retry_for` and before the local deadline, or if the lease is no longer ours.
+    /// `retry_for` and before the local deadline, or if the lease is no longer ours. A
+    /// `lock_timeout` or `statement_timeout` in the connection's options only makes it try
+    /// again.
     ///
     /// It waits for the store's statements that hold the lease row, the one that broke among
     /// them if it is still running. Meanwhile the others go on; a write that finds the new id
@@ -366,7 +368,10 @@ impl Executor {
                         a write whose connection broke");
                     return Ok(());
                 }
-                Ok(Err(e)) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
+                Ok(Err(e))
+                    if (e.is_retryable() || gave_up_waiting(&e))
+                        && started.elapsed() + backoff < self.retry_for =>
+                {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
@@ -413,6 +418,14 @@ impl Executor {
             }
         }
     }
+}
+
+/// Whether a statement failed because a `lock_timeout` or `statement_timeout` of the connection's
+/// options ended its wait: the fence then waits again, for the rest of its time.
+fn gave_up_waiting(e: &Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    let Error::Database { source, .. } = e else { return false };
+    matches!(source.code(), Some(&SqlState::LOCK_NOT_AVAILABLE | &SqlState::QUERY_CANCELED))
 }
 
 /// The value of a `READ` result, or [`Error::NotFound`] naming the key.

@@ -297,7 +297,8 @@ pub(crate) async fn notify_channel(
 /// The current holder of the lease, as seen by operators and by `LeaseHeld`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseInfo {
-    /// The holder's owner id (unique per acquisition).
+    /// The holder's owner id now: each is one store's alone. A store changes it, keeping its
+    /// epoch, to fence off a write of its own whose connection broke.
     pub owner_id: Uuid,
     /// The holder's fencing token.
     pub epoch: i64,

@@ -76,13 +76,14 @@ async fn value_of(table: &str, key: &str) -> Vec<u8> {
 /// and would commit the old value after the retry and after a later call: the store must fence
 /// it off before it retries. It changes its owner id in the lease row, which waits for the old
 /// statement, and ends no server process; the fencing token stays. The sessions use a non-ISO date style and a time zone
-/// whose abbreviation is ambiguous, so nothing of the fence may go through text.
+/// whose abbreviation is ambiguous, so nothing of the fence may go through text. Their
+/// `lock_timeout` (100 ms) is shorter than the wait of the fence for the orphan.
 async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool) {
     let server = TestServer::shared().unwrap();
     let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
     let t = table("orphan");
     let mut config = server.config_via(proxy.addr());
-    config.options("-c DateStyle=SQL,DMY -c TimeZone=Asia/Kolkata");
+    config.options("-c DateStyle=SQL,DMY -c TimeZone=Asia/Kolkata -c lock_timeout=100ms");
     let store = PgKvStore::builder_from_config(config)
         .table(&t)
         .pool_size(2)
