@@ -16,7 +16,7 @@ use tokio_postgres::types::ToSql;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
-use crate::sql::Statements;
+use crate::sql::{Statement, Statements};
 use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
@@ -97,7 +97,7 @@ impl Executor {
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
         self.run(operation, sql, params, true).await.map(drop)
@@ -107,7 +107,7 @@ impl Executor {
     pub(crate) async fn query(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
@@ -178,7 +178,7 @@ impl Executor {
     async fn run(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
@@ -204,7 +204,7 @@ impl Executor {
     async fn attempts<'a>(
         &'a self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
         unresolved: &mut Option<OutcomePending<'a>>,
@@ -220,15 +220,19 @@ impl Executor {
                     self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
                 let client = Checkout(Some(client));
                 let statements = async {
-                    let statement =
-                        client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                    let statement = self
+                        .pool
+                        .mode()
+                        .prepare_cached(&client, sql)
+                        .await
+                        .map_err(Error::db(operation))?;
                     let mut all: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(params.len() + 1);
                     if mutation {
                         all.push(&owner);
                         pending = Some(OutcomePending { lease: &self.lease });
                     }
                     all.extend_from_slice(params);
-                    client.query(&statement, &all).await.map_err(Error::db(operation))
+                    statement.query(&client, &all).await.map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -348,7 +352,12 @@ impl Executor {
             let attempt = async {
                 let client = Checkout::new(self.pool.get(operation).await?);
                 let params: [&(dyn ToSql + Sync); 2] = [&ids, &next];
-                let changed = client.query(&self.statements.change_owner, &params).await;
+                let statement = &self.statements.change_owner;
+                let changed = self
+                    .pool
+                    .mode()
+                    .query(&***client, &statement.sql, statement.types, &params)
+                    .await;
                 client.answered(); // Answered, an error included.
                 changed.map_err(Error::db(operation))
             };

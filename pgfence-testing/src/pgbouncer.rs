@@ -78,15 +78,29 @@ struct Keeper {
     stdin: ChildStdin,
 }
 
+/// Server connections per database and user: enough that the tests' stores (pool, renewal and
+/// standby connections) never queue for one in session mode.
+const DEFAULT_POOL_SIZE: u32 = 150;
+
 impl PgBouncer {
     /// Starts a PgBouncer in `mode` in front of the server at `target` (for example
     /// [`TestCluster::tcp_addr`](crate::TestCluster::tcp_addr)), and returns once it accepts
     /// TCP connections.
     pub fn start(target: SocketAddr, mode: PoolMode) -> io::Result<PgBouncer> {
+        PgBouncer::start_sized(target, mode, DEFAULT_POOL_SIZE)
+    }
+
+    /// [`PgBouncer::start`] with at most `pool_size` server connections per database and
+    /// user. A small pool makes its clients share server sessions in transaction mode.
+    pub fn start_sized(
+        target: SocketAddr,
+        mode: PoolMode,
+        pool_size: u32,
+    ) -> io::Result<PgBouncer> {
         let binary = find_pgbouncer()?;
         let mut attempt = 1;
         loop {
-            match PgBouncer::start_once(&binary, target, mode) {
+            match PgBouncer::start_once(&binary, target, mode, pool_size) {
                 Err(e) if e.kind() == io::ErrorKind::AddrInUse && attempt < START_ATTEMPTS => {
                     attempt += 1;
                 }
@@ -95,7 +109,12 @@ impl PgBouncer {
         }
     }
 
-    fn start_once(binary: &Path, target: SocketAddr, mode: PoolMode) -> io::Result<PgBouncer> {
+    fn start_once(
+        binary: &Path,
+        target: SocketAddr,
+        mode: PoolMode,
+        pool_size: u32,
+    ) -> io::Result<PgBouncer> {
         let run_as = server_user()?;
         let root = std::env::temp_dir().join(format!(
             "pgfence-test-bouncer-{}-{}",
@@ -114,8 +133,6 @@ impl PgBouncer {
         let ini = bouncer.root.join("pgbouncer.ini");
         let userlist = bouncer.root.join("userlist.txt");
         let log = bouncer.root.join("pgbouncer.log");
-        // Pools large enough that the tests' stores (pool, renewal and standby connections)
-        // never queue for a server connection in session mode.
         let text = format!(
             "; Written by pgfence_testing.\n\
              [databases]\n\
@@ -130,7 +147,7 @@ impl PgBouncer {
              auth_file = {userlist}\n\
              pool_mode = {mode}\n\
              max_client_conn = 500\n\
-             default_pool_size = 150\n\
+             default_pool_size = {pool_size}\n\
              max_db_connections = 0\n\
              ignore_startup_parameters = extra_float_digits\n",
             host = target.ip(),

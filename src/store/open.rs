@@ -21,6 +21,7 @@ use crate::exec::{Checkout, Executor, detached, discard};
 use crate::keys::TableName;
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease};
 use crate::schema::{self, Holder, SetupFailed};
+use crate::session::PoolMode;
 use crate::sql::{self, Statements};
 use crate::write::Writes;
 
@@ -47,8 +48,8 @@ pub(crate) struct Reuse {
     /// The pool of the attempts, with a connection left idle in it by the last one; the store
     /// takes it over. `None`: each attempt builds its own, as `open()` does.
     pub(crate) pool: Option<connect::Pool>,
-    /// Set once an attempt found no transaction pooler on the way (and, for a pool passed in,
-    /// read committed isolation). Later attempts reach the same servers through the same
+    /// Set once an attempt found no transaction pooler on the way in session mode (and read
+    /// committed isolation, for a pool passed in or in transaction mode). Later attempts reach the same servers through the same
     /// configuration, so they skip the checks: two more round trips and a connection each.
     pub(crate) checked: Arc<AtomicBool>,
 }
@@ -108,7 +109,8 @@ async fn open_here(
     let (connector, config) = match &builder.source {
         Source::Config(_) => {
             let config = builder.connection_config().expect("a config source");
-            (Connector::Config(Box::new(config.clone()), builder.tls.clone()), Some(config))
+            let mode = pool.mode();
+            (Connector::Config(Box::new(config.clone()), builder.tls.clone(), mode), Some(config))
         }
         Source::Pool(_) => (Connector::Pool(pool.clone()), None),
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
@@ -130,12 +132,17 @@ async fn open_here(
     // Quick statements (they wait for no lock), so given up after `connect_timeout`. A
     // pooled connection may have gone silent while idle (a middlebox that hung). It then costs
     // this attempt, which a standby retries, instead of holding it up for good.
+    let mode = pool.mode();
     let checks = async {
-        // First: the checks below and the setup use prepared statements.
+        // First: in session mode, the checks below and the setup use prepared statements. In
+        // transaction mode the store sets nothing on its connections, so each must default to
+        // read committed.
         if !reuse.checked.load(Ordering::Relaxed) {
-            connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
-            if let Source::Pool(_) = &builder.source {
-                check_pool_isolation(&client).await?;
+            if mode.keeps_session() {
+                connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
+            }
+            if matches!(builder.source, Source::Pool(_)) || !mode.keeps_session() {
+                check_default_isolation(mode, &client, &builder.source).await?;
             }
             reuse.checked.store(true, Ordering::Relaxed);
         } else {
@@ -157,7 +164,7 @@ async fn open_here(
         }
     };
     let acquired = schema::setup_and_acquire(
-        &mut client,
+        (&mut client, mode),
         (&builder.tls, builder.connect_timeout),
         &mut caller,
         &table,
@@ -220,7 +227,8 @@ async fn open_here(
             // handed back to the pool.
             let owners = [acquired.owner_id];
             let params: [&(dyn ToSql + Sync); 2] = [&&owners[..], &acquired.channel];
-            let release = client.query(&statements.release, &params);
+            let release = &statements.release;
+            let release = mode.query(&**client, &release.sql, release.types, &params);
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
                 Some(Err(release)) => {
@@ -249,8 +257,9 @@ async fn open_here(
     // else, or a server that stopped answering, would otherwise hold up the opened store
     // (its lease taken) for as long.
     let analyzing = async {
-        match client.query_one(sql::NEVER_ANALYZED, &[&table.quoted("")]).await {
-            Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze).await,
+        let (never, types) = (sql::NEVER_ANALYZED, sql::NEVER_ANALYZED_TYPES);
+        match mode.query_one(&**client, never, types, &[&table.quoted("")]).await {
+            Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze.sql).await,
             other => other.map(drop),
         }
     };
@@ -300,25 +309,44 @@ async fn open_here(
 
 /// A store on a pool passed in runs its mutations on connections it did not open. So it
 /// cannot set them to read committed as it does its own (see `sql::READ_COMMITTED`). The
-/// renewal thread sets its own connection of the pool. The store refuses a pool whose
-/// connections default to repeatable read or serializable. Otherwise a write that waited for a
-/// takeover would meet a serialization failure, not report a lost lease. Read uncommitted is
-/// read committed in PostgreSQL.
-async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
-    let level: String = client
-        .query_one(sql::DEFAULT_ISOLATION, &[])
+/// renewal thread sets its own connection of the pool. Behind a transaction pooler
+/// ([`PoolMode::Transaction`](crate::PoolMode::Transaction)) it sets no connection at all: a
+/// session setting would stay with a server session other clients share.
+///
+/// The store refuses connections that default to repeatable read or serializable. Otherwise a
+/// write that waited for a takeover would meet a serialization failure, not report a lost
+/// lease. Read uncommitted is read committed in PostgreSQL.
+async fn check_default_isolation(
+    mode: PoolMode,
+    client: &tokio_postgres::Client,
+    source: &Source,
+) -> Result<()> {
+    let level: String = mode
+        .query_one(client, sql::DEFAULT_ISOLATION, &[], &[])
         .await
         .map_err(Error::db("check default isolation"))?
         .get(0);
     if matches!(level.as_str(), "read committed" | "read uncommitted") {
         return Ok(());
     }
+    let fix = match source {
+        Source::Pool(_) => {
+            "set it on the pool's connections with the connection option \
+                            `-c default_transaction_isolation=read\\ committed`"
+        }
+        // Nothing is set on a session behind a transaction pooler, which may refuse startup
+        // options as well: the default must come from the server.
+        _ => {
+            "behind a transaction pooler pgfence sets nothing on a session, so set it for the \
+              role or database: `ALTER ROLE ... SET default_transaction_isolation = \
+              'read committed'`"
+        }
+    };
     Err(Error::config(
-        "pool",
+        if matches!(source, Source::Pool(_)) { "pool" } else { "pool_mode" },
         format!(
             "its connections default to {level} isolation (default_transaction_isolation); \
-             pgfence needs read committed: set it on the pool's connections with the \
-             connection option `-c default_transaction_isolation=read\\ committed`"
+             pgfence needs read committed: {fix}"
         ),
     ))
 }
@@ -336,7 +364,7 @@ async fn connect(
             let Some(config) = config else {
                 return Err(pool.error("connect", PoolError::Backend(e)));
             };
-            schema::create_database(config, tls, connect_timeout).await?;
+            schema::create_database(config, tls, connect_timeout, pool.mode()).await?;
             pool.get("connect").await
         }
         other => other.map_err(|e| pool.error("connect", e)),
@@ -400,11 +428,16 @@ async fn release_unanswered_setup(
         // (the caller's timeout): the pool may be the application's own.
         let mut client = Checkout::new(pool.get(operation).await?);
         let released = async {
+            let mode = pool.mode();
             let tx = client.transaction().await?;
-            tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
-                .await?;
-            let channel = schema::notify_channel(&*tx, table).await?;
-            let rows = tx.query(&statements.release, &[&vec![owner_id], &channel]).await?;
+            let lock: [&(dyn ToSql + Sync); 3] =
+                [&sql::SETUP_LOCK_CLASS, &table.schema, &table.name];
+            mode.execute(&*tx, sql::SETUP_LOCK, sql::SETUP_LOCK_TYPES, &lock).await?;
+            let channel = schema::notify_channel(mode, &*tx, table).await?;
+            let release = &statements.release;
+            let owners = [owner_id];
+            let params: [&(dyn ToSql + Sync); 2] = [&&owners[..], &channel];
+            let rows = mode.query(&*tx, &release.sql, release.types, &params).await?;
             tx.commit().await?;
             Ok(rows)
         };
