@@ -9,8 +9,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::{HANG_GUARD, admin, builder, lease_row, lease_table, table, within};
-use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore};
-use pgfence_testing::{Proxy, TestServer};
+use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore, PoolMode};
+use pgfence_testing::PoolMode::Transaction;
+use pgfence_testing::{PgBouncer, Proxy, TestServer};
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -78,14 +79,31 @@ async fn value_of(table: &str, key: &str) -> Vec<u8> {
 /// statement, and ends no server process; the fencing token stays. The sessions use a non-ISO date style and a time zone
 /// whose abbreviation is ambiguous, so nothing of the fence may go through text. Their
 /// `lock_timeout` (100 ms) is shorter than the wait of the fence for the orphan.
-async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool) {
+/// Behind a transaction pooler (without those options, which PgBouncer refuses) the same
+/// holds, with no server process id to go by.
+async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool, route: Route) {
     let server = TestServer::shared().unwrap();
-    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let bouncer = match route {
+        Route::Direct => None,
+        Route::TransactionPooler => {
+            Some(PgBouncer::start(server.tcp_addr().unwrap(), Transaction).unwrap())
+        }
+    };
+    let upstream = bouncer.as_ref().map_or_else(|| server.tcp_addr().unwrap(), PgBouncer::addr);
+    let proxy = Proxy::start(upstream).await.unwrap();
     let t = table("orphan");
     let mut config = server.config_via(proxy.addr());
-    config.options("-c DateStyle=SQL,DMY -c TimeZone=Asia/Kolkata -c lock_timeout=100ms");
+    if bouncer.is_none() {
+        // PgBouncer refuses startup options it does not track.
+        config.options("-c DateStyle=SQL,DMY -c TimeZone=Asia/Kolkata -c lock_timeout=100ms");
+    }
+    let mode = match route {
+        Route::Direct => PoolMode::Session,
+        Route::TransactionPooler => PoolMode::Transaction,
+    };
     let store = PgKvStore::builder_from_config(config)
         .table(&t)
+        .pool_mode(mode)
         .pool_size(2)
         .lease_ttl(Duration::from_secs(30))
         .renew_interval(Duration::from_secs(5))
@@ -159,14 +177,32 @@ async fn write_sent_with_an_owner_id_changed_meanwhile_is_sent_again() {
     store.close().await.unwrap();
 }
 
+/// What the store's connections go through, behind the proxy that breaks them.
+enum Route {
+    Direct,
+    /// PgBouncer in transaction mode (`PoolMode::Transaction`): the server process that ran
+    /// the orphan serves the pooler's other clients too, so ending it is never an option.
+    TransactionPooler,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
-    orphaned_statement_cannot_overwrite_a_later_call(false).await;
+    orphaned_statement_cannot_overwrite_a_later_call(false, Route::Direct).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_orphaned_by_a_broken_connection_cannot_overwrite_a_later_call() {
-    orphaned_statement_cannot_overwrite_a_later_call(true).await;
+    orphaned_statement_cannot_overwrite_a_later_call(true, Route::Direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_orphaned_behind_a_transaction_pooler_cannot_overwrite_a_later_call() {
+    orphaned_statement_cannot_overwrite_a_later_call(false, Route::TransactionPooler).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_orphaned_behind_a_transaction_pooler_cannot_overwrite_a_later_call() {
+    orphaned_statement_cannot_overwrite_a_later_call(true, Route::TransactionPooler).await;
 }
 
 /// Dropping a write future (a timeout, a `select!`) must not let a later call of the key run
