@@ -20,6 +20,11 @@ use crate::redirect;
 /// How long [`PgBouncer::start`] waits for the pooler to accept TCP connections.
 const START_WAIT: Duration = Duration::from_secs(30);
 
+/// The server connections per database and user that [`PgBouncer::start`] allows: enough that
+/// the tests' stores (pool, renewal and standby connections) never queue for one in session
+/// mode.
+const DEFAULT_POOL_SIZE: u32 = 150;
+
 /// The keeper of one pooler. It starts PgBouncer in the background, then blocks reading a pipe
 /// whose only write end the test process holds. End-of-file comes when the test process drops
 /// it or dies, for any reason; the keeper then stops PgBouncer and deletes its directory.
@@ -68,6 +73,7 @@ pub struct PgBouncer {
     root: PathBuf,
     port: u16,
     mode: PoolMode,
+    pool_size: u32,
     keeper: Option<Keeper>,
 }
 
@@ -83,10 +89,28 @@ impl PgBouncer {
     /// [`TestCluster::tcp_addr`](crate::TestCluster::tcp_addr)), and returns once it accepts
     /// TCP connections.
     pub fn start(target: SocketAddr, mode: PoolMode) -> io::Result<PgBouncer> {
+        PgBouncer::start_with_pool_size(target, mode, DEFAULT_POOL_SIZE)
+    }
+
+    /// [`PgBouncer::start`] with at most `pool_size` server connections per database and user
+    /// (PgBouncer's `default_pool_size`). In transaction mode a small one makes clients share
+    /// server sessions: with 1, every transaction of every client runs on one session. A client
+    /// finding none free waits for one (up to PgBouncer's `query_wait_timeout`, 120 s).
+    pub fn start_with_pool_size(
+        target: SocketAddr,
+        mode: PoolMode,
+        pool_size: u32,
+    ) -> io::Result<PgBouncer> {
+        if pool_size == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "pool_size must be at least 1",
+            ));
+        }
         let binary = find_pgbouncer()?;
         let mut attempt = 1;
         loop {
-            match PgBouncer::start_once(&binary, target, mode) {
+            match PgBouncer::start_once(&binary, target, mode, pool_size) {
                 Err(e) if e.kind() == io::ErrorKind::AddrInUse && attempt < START_ATTEMPTS => {
                     attempt += 1;
                 }
@@ -95,7 +119,12 @@ impl PgBouncer {
         }
     }
 
-    fn start_once(binary: &Path, target: SocketAddr, mode: PoolMode) -> io::Result<PgBouncer> {
+    fn start_once(
+        binary: &Path,
+        target: SocketAddr,
+        mode: PoolMode,
+        pool_size: u32,
+    ) -> io::Result<PgBouncer> {
         let run_as = server_user()?;
         let root = std::env::temp_dir().join(format!(
             "pgfence-test-bouncer-{}-{}",
@@ -108,14 +137,12 @@ impl PgBouncer {
             .map_err(|e| annotate(e, format!("could not create {}", root.display())))?;
         let port = free_port()?;
         // From here on, an early return drops `bouncer`, which deletes `root`.
-        let mut bouncer = PgBouncer { root, port, mode, keeper: None };
+        let mut bouncer = PgBouncer { root, port, mode, pool_size, keeper: None };
         let socket_dir = bouncer.root.join("sock");
         fs::DirBuilder::new().mode(0o700).create(&socket_dir)?;
         let ini = bouncer.root.join("pgbouncer.ini");
         let userlist = bouncer.root.join("userlist.txt");
         let log = bouncer.root.join("pgbouncer.log");
-        // Pools large enough that the tests' stores (pool, renewal and standby connections)
-        // never queue for a server connection in session mode.
         let text = format!(
             "; Written by pgfence_testing.\n\
              [databases]\n\
@@ -130,7 +157,7 @@ impl PgBouncer {
              auth_file = {userlist}\n\
              pool_mode = {mode}\n\
              max_client_conn = 500\n\
-             default_pool_size = 150\n\
+             default_pool_size = {pool_size}\n\
              max_db_connections = 0\n\
              ignore_startup_parameters = extra_float_digits\n",
             host = target.ip(),
@@ -201,6 +228,11 @@ impl PgBouncer {
     /// The pool mode it runs in.
     pub fn mode(&self) -> PoolMode {
         self.mode
+    }
+
+    /// The most server connections it opens per database and user (`default_pool_size`).
+    pub fn pool_size(&self) -> u32 {
+        self.pool_size
     }
 
     /// The TCP address clients connect to, `127.0.0.1:<port>`.
