@@ -18,6 +18,7 @@ use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTl
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{Error, HOOK_TIMED_OUT, Result};
+use crate::session::PoolMode;
 use crate::sql;
 
 /// The TLS client configuration of a store's connections; `None` connects without TLS.
@@ -43,12 +44,24 @@ impl Tls {
         }
     }
 
-    /// Connects, spawns the task that drives the connection, and sets the session to read
-    /// committed ([`sql::READ_COMMITTED`]). The task ends when the client is dropped or the
-    /// connection breaks (logged at debug level as `what`). A notification on the connection
-    /// (after LISTEN) is signalled on `notifications`, by its channel's name.
+    /// [`Tls::connect_in`] a server session of its own ([`PoolMode::Session`]).
     pub(crate) async fn connect(
         &self,
+        config: &Config,
+        what: &'static str,
+        notifications: Option<mpsc::UnboundedSender<String>>,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        self.connect_in(PoolMode::Session, config, what, notifications).await
+    }
+
+    /// Connects, spawns the task that drives the connection, and sets the session to read
+    /// committed ([`sql::READ_COMMITTED`]), unless `mode` shares sessions (see
+    /// [`PoolMode::set_session`]). The task ends when the client is dropped or the connection
+    /// breaks (logged at debug level as `what`). A notification on the connection (after
+    /// LISTEN) is signalled on `notifications`, by its channel's name.
+    pub(crate) async fn connect_in(
+        &self,
+        mode: PoolMode,
         config: &Config,
         what: &'static str,
         notifications: Option<mpsc::UnboundedSender<String>>,
@@ -67,7 +80,7 @@ impl Tls {
         // or the caller gone). The task would otherwise wait for the answer. It would be left
         // running on the runtime after the opening returned.
         let task = AbortOnDrop(Some(task));
-        client.batch_execute(sql::READ_COMMITTED).await?;
+        mode.set_session(&client, sql::READ_COMMITTED).await?;
         Ok((client, task.detach()))
     }
 }
@@ -101,17 +114,23 @@ pub(crate) struct Pool {
     servers: Arc<str>,
     /// The role, for the `GRANT` of a permission error; unknown for a pool passed in.
     role: Option<Arc<str>>,
+    /// How the servers behind it share their sessions: how statements run on it.
+    mode: PoolMode,
 }
 
 impl Pool {
-    /// A pool built from `config`, or (`None`) the application's own.
-    pub(crate) fn new(pool: deadpool_postgres::Pool, config: Option<&Config>) -> Pool {
+    /// A pool built from `config`, or (`None`) the application's own, in `mode`.
+    pub(crate) fn new(
+        pool: deadpool_postgres::Pool,
+        config: Option<&Config>,
+        mode: PoolMode,
+    ) -> Pool {
         let (servers, role) = match config {
             Some(config) => (servers(config).into(), config.get_user().map(Arc::from)),
             // deadpool-postgres keeps its configuration private.
             None => ("the server of the application's pool".into(), None),
         };
-        Pool { pool, servers, role }
+        Pool { pool, servers, role, mode }
     }
 
     /// A connection of the pool, for `operation`.
@@ -127,6 +146,11 @@ impl Pool {
     /// The pool itself, for a caller that handles its errors first.
     pub(crate) fn raw(&self) -> &deadpool_postgres::Pool {
         &self.pool
+    }
+
+    /// How statements run on the pool's connections.
+    pub(crate) fn mode(&self) -> PoolMode {
+        self.mode
     }
 
     /// The role the pool connects as, when known.
@@ -162,17 +186,18 @@ impl Drop for AbortOnDrop {
 }
 
 /// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`], given at most
-/// `timeout`. A server that stopped answering would otherwise hold it up for good. `timeout`
+/// `timeout`, unless `mode` shares sessions ([`PoolMode::set_session`]). A server that stopped answering would otherwise hold it up for good. `timeout`
 /// is the connect timeout. tokio-postgres applies that only to the TCP connect, and the pool
 /// only to creating the connection, not to its hooks. Session state of a pooled connection,
 /// but of a pool the store built and nobody else uses, whose recycling (`Fast`) resets
 /// nothing. The fence does not rest on it. Under a stricter level a mutation still commits
 /// nothing without the lease; its lock fails instead. This setting only makes the store
 /// report a takeover as the loss it is.
-pub(crate) fn read_committed(timeout: Duration) -> Hook {
+pub(crate) fn read_committed(timeout: Duration, mode: PoolMode) -> Hook {
     Hook::async_fn(move |client, _| {
         Box::pin(async move {
-            match tokio::time::timeout(timeout, client.batch_execute(sql::READ_COMMITTED)).await {
+            let set = mode.set_session(client, sql::READ_COMMITTED);
+            match tokio::time::timeout(timeout, set).await {
                 Ok(set) => set.map_err(HookError::Backend),
                 Err(_) => Err(HookError::message(HOOK_TIMED_OUT)),
             }

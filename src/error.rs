@@ -186,14 +186,18 @@ pub enum Error {
     },
 
     /// The connection goes through a pooler that hands server sessions out per transaction
-    /// (PgBouncer's `pool_mode = transaction` or `statement`). The store needs a session of its
-    /// own. `open()` refuses before it runs anything that could end another client's session.
-    /// A busy pooler can hide its mode from that check. A statement then finds its prepared
+    /// (PgBouncer's `pool_mode = transaction` or `statement`), and the store was opened in
+    /// [`PoolMode::Session`](crate::PoolMode::Session), which needs a session of its own.
+    /// `open()` refuses before it runs anything that could end another client's session. A
+    /// busy pooler can hide its mode from that check. A statement then finds its prepared
     /// statement missing on the server session, or taken by another client. That statement
-    /// ran nothing, and it fails with this error too, not the server's message.
+    /// ran nothing, and it fails with this error too, not the server's message. Set
+    /// [`Builder::pool_mode`](crate::Builder::pool_mode) to
+    /// [`PoolMode::Transaction`](crate::PoolMode::Transaction) for such a pooler.
     #[error(
-        "the connection goes through a pooler in {pool_mode} mode, which pgfence does not \
-         support: connect through a pooler in session mode, or directly to PostgreSQL"
+        "the connection goes through a pooler in {pool_mode} mode: for a transaction pooler, \
+         set Builder::pool_mode(PoolMode::Transaction) (or connect through a pooler in \
+         session mode, or directly to PostgreSQL)"
     )]
     PoolerModeUnsupported {
         /// The pool mode detected: `"transaction"` (PgBouncer's `statement` mode looks alike).

@@ -17,7 +17,8 @@ use tokio_postgres::types::ToSql;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
-use crate::sql::{self, Statements};
+use crate::session::PoolMode;
+use crate::sql::{self, Statement, Statements};
 use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
@@ -96,7 +97,7 @@ impl Executor {
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
         self.run(operation, sql, params, true).await.map(drop)
@@ -106,7 +107,7 @@ impl Executor {
     pub(crate) async fn query(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
@@ -174,7 +175,7 @@ impl Executor {
     async fn run(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
@@ -207,7 +208,7 @@ impl Executor {
     async fn attempts<'a>(
         &'a self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
         unresolved: &mut Option<OutcomePending<'a>>,
@@ -224,11 +225,15 @@ impl Executor {
                 let client = Checkout(Some(client));
                 let statements = async {
                     let backend = if mutation { Some(self.backend(&client).await?) } else { None };
-                    let statement =
-                        client.prepare_cached(sql).await.map_err(Error::db(operation))?;
+                    let statement = self
+                        .pool
+                        .mode()
+                        .prepare_cached(&client, sql)
+                        .await
+                        .map_err(Error::db(operation))?;
                     pending = backend.is_some().then(|| OutcomePending { lease: &self.lease });
                     sent_to = backend;
-                    client.query(&statement, params).await.map_err(Error::db(operation))
+                    statement.query(&client, params).await.map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -313,9 +318,7 @@ impl Executor {
         if let Some(backend) = known {
             return Ok(backend);
         }
-        let row = client
-            .query_one(sql::BACKEND_IDENTITY, &[])
-            .await
+        let row = (self.pool.mode().query_one(&***client, sql::BACKEND_IDENTITY, &[], &[]).await)
             .map_err(Error::db("identify connection"))?;
         let started: Option<SystemTime> = row.get(1);
         let Some(started) = started else {
@@ -580,9 +583,12 @@ pub(crate) fn discard(client: deadpool_postgres::Object) {
 
 /// The server process of a connection: `None` when the role cannot see it (the setup then
 /// refuses the role).
-pub(crate) async fn identify(client: &tokio_postgres::Client) -> Result<Option<Backend>> {
-    let row = client
-        .query_one(sql::BACKEND_IDENTITY, &[])
+pub(crate) async fn identify(
+    mode: PoolMode,
+    client: &tokio_postgres::Client,
+) -> Result<Option<Backend>> {
+    let row = mode
+        .query_one(client, sql::BACKEND_IDENTITY, &[], &[])
         .await
         .map_err(Error::db("identify connection"))?;
     let started: Option<SystemTime> = row.get(1);

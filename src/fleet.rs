@@ -82,7 +82,7 @@ impl Builder {
             Source::Pool(_) => Connector::Pool(pool.clone()),
             _ => {
                 let config = self.connection_config().expect("validate() refuses anything else");
-                Connector::Config(Box::new(config), self.tls.clone())
+                Connector::Config(Box::new(config), self.tls.clone(), self.pool_mode)
             }
         };
         let (ended, ended_rx) = oneshot::channel();

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::exec::value_or_not_found;
 use crate::keys::{TableName, check_key, check_namespaces};
 use crate::schema::{self, LeaseInfo};
-use crate::sql::Statements;
+use crate::sql::{Statement, Statements};
 
 /// Read-only access to a table without its lease: the lease row, reads and listings, and the
 /// operator's break-glass release. Created by [`Builder::inspect`](crate::Builder::inspect). A table that does not exist
@@ -41,11 +41,11 @@ impl Inspector {
     async fn query(
         &self,
         operation: &'static str,
-        sql: &str,
+        sql: &Statement,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Vec<tokio_postgres::Row>>> {
         let client = self.pool.get(operation).await?;
-        match client.query(sql, params).await {
+        match self.pool.mode().query(&**client, &sql.sql, sql.types, params).await {
             Ok(rows) => Ok(Some(rows)),
             Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
             Err(source) => Err(Error::db(operation)(source).for_role(self.pool.role())),
@@ -55,7 +55,7 @@ impl Inspector {
     /// The lease row: holder, epoch, time left. `None` if no store ever opened the table.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
         let client = self.pool.get("read lease").await?;
-        match schema::lease_info(&**client, &self.statements).await {
+        match schema::lease_info(self.pool.mode(), &**client, &self.statements).await {
             Err(Error::Database { source, .. })
                 if source.code() == Some(&SqlState::UNDEFINED_TABLE) =>
             {
@@ -111,7 +111,8 @@ impl Inspector {
         let operation = "read entries";
         let client = self.pool.get(operation).await?;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 0] = [];
-        let rows = match client.query_raw(self.statements.entries.as_str(), params).await {
+        let entries = self.pool.mode().query_raw(&client, &self.statements.entries, &params);
+        let rows = match entries.await {
             Ok(rows) => Some(Box::pin(rows)),
             Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => None,
             Err(source) => return Err(Error::db(operation)(source).for_role(self.pool.role())),
@@ -124,8 +125,13 @@ impl Inspector {
     ///
     /// It fails with [`Error::PoolerModeUnsupported`] when it sees a pooler that hands server
     /// sessions out per transaction (PgBouncer's transaction or statement mode). Passing is
-    /// no proof: a busy pooler may hide that mode. A session pooler passes.
+    /// no proof: a busy pooler may hide that mode. A session pooler passes. With
+    /// [`PoolMode::Transaction`](crate::PoolMode::Transaction) the store needs no session of
+    /// its own, so this checks nothing and passes.
     pub async fn check_session(&self) -> Result<()> {
+        if !self.pool.mode().keeps_session() {
+            return Ok(());
+        }
         let client = self.pool.get("check for a transaction pooler").await?;
         check_own_session(&self.pool, self.config.as_ref(), &self.tls, &client).await
     }
@@ -144,7 +150,7 @@ impl Inspector {
         let held = self.lease_info().await?.filter(|info| info.active);
         let Some(held) = held else { return Ok(None) };
         let client = self.pool.get("force release").await?;
-        let channel = schema::notify_channel(&**client, &self.table)
+        let channel = schema::notify_channel(self.pool.mode(), &**client, &self.table)
             .await
             .map_err(Error::db("resolve table schema"))?;
         drop(client);

@@ -15,11 +15,13 @@ mod keys;
 mod sql;
 mod stats;
 
-// Connections, libpq's environment, the lease (with its loss policy) and the schema setup.
+// Connections, what they keep in a server session, libpq's environment, the lease (with its
+// loss policy) and the schema setup.
 mod connect;
 pub mod env;
 mod lease;
 mod schema;
+mod session;
 
 // The statement executor, then the write path on top of it.
 mod exec;

@@ -6,11 +6,13 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio_postgres::IsolationLevel;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use crate::connect::Tls;
 use crate::error::{Error, Result, is_connection_error};
 use crate::keys::TableName;
+use crate::session::PoolMode;
 use crate::sql::{self, Statements};
 
 /// The newest schema version this library knows.
@@ -59,6 +61,7 @@ pub(crate) struct Holder {
 /// given up after `cancel_within`: a server that stopped answering never completes one over
 /// TLS.
 pub(crate) async fn setup_and_acquire(
+    mode: PoolMode,
     client: &mut tokio_postgres::Client,
     (tls, cancel_within): (&Tls, Duration),
     caller: &mut oneshot::Receiver<()>,
@@ -83,7 +86,7 @@ pub(crate) async fn setup_and_acquire(
     let prepared = tokio::select! {
         biased;
         _ = &mut *caller => None,
-        prepared = prepare(&mut tx, table, statements, ttl, holder) => Some(prepared),
+        prepared = prepare(mode, &mut tx, table, statements, ttl, holder) => Some(prepared),
     };
     let acquired = match prepared {
         None => {
@@ -150,6 +153,7 @@ impl From<Error> for SetupFailed {
 
 /// The setup transaction's statements up to the commit (see [`setup_and_acquire`]).
 async fn prepare(
+    mode: PoolMode,
     tx: &mut tokio_postgres::Transaction<'_>,
     table: &TableName,
     statements: &Statements,
@@ -157,12 +161,10 @@ async fn prepare(
     holder: &Holder,
 ) -> Result<Acquired> {
     tx.batch_execute(sql::SETUP_TIMEOUTS).await.map_err(Error::db("setup timeouts"))?;
-    tx.execute(sql::SETUP_IDLE_TIMEOUT, &[&ttl.as_millis().to_string()])
-        .await
+    let (idle, types) = (sql::SETUP_IDLE_TIMEOUT, sql::SETUP_IDLE_TIMEOUT_TYPES);
+    (mode.execute(tx, idle, types, &[&ttl.as_millis().to_string()]).await)
         .map_err(Error::db("setup timeouts"))?;
-    let control: Option<bool> = tx
-        .query_one(sql::SESSION_CONTROL, &[])
-        .await
+    let control: Option<bool> = (mode.query_one(tx, sql::SESSION_CONTROL, &[], &[]).await)
         .map_err(Error::db("check session privileges"))?
         .get(0);
     if control != Some(true) {
@@ -174,35 +176,34 @@ async fn prepare(
              owning role, or grant it the login role and EXECUTE on pg_terminate_backend",
         ));
     }
-    tx.execute(sql::SETUP_LOCK, &[&sql::SETUP_LOCK_CLASS, &table.schema, &table.name])
-        .await
+    let lock: [&(dyn ToSql + Sync); 3] = [&sql::SETUP_LOCK_CLASS, &table.schema, &table.name];
+    (mode.execute(tx, sql::SETUP_LOCK, sql::SETUP_LOCK_TYPES, &lock).await)
         .map_err(Error::db("setup lock"))?;
-    let lease_table: Option<String> = tx
-        .query_one(sql::TABLE_EXISTS, &[&table.quoted("_lease")])
-        .await
-        .map_err(Error::db("look for the lease table"))?
-        .get(0);
+    let (exists, types) = (sql::TABLE_EXISTS, sql::TABLE_EXISTS_TYPES);
+    let lease_table: Option<String> =
+        (mode.query_one(tx, exists, types, &[&table.quoted("_lease")]))
+            .await
+            .map_err(Error::db("look for the lease table"))?
+            .get(0);
     if lease_table.is_some() {
-        if let Some(info) = lease_info(tx, statements).await?.filter(|info| info.active) {
+        if let Some(info) = lease_info(mode, tx, statements).await?.filter(|info| info.active) {
             return Err(held(table, info));
         }
     }
     if let Some(schema) = &table.schema {
-        let exists: bool = tx
-            .query_one(sql::SCHEMA_EXISTS, &[schema])
-            .await
+        let (exists, types) = (sql::SCHEMA_EXISTS, sql::SCHEMA_EXISTS_TYPES);
+        let exists: bool = (mode.query_one(tx, exists, types, &[schema]).await)
             .map_err(Error::db("look for the schema"))?
             .get(0);
         if !exists {
             create_schema(tx, table).await?;
         }
     }
-    tx.batch_execute(&statements.create_version_table)
+    tx.batch_execute(&statements.create_version_table.sql)
         .await
         .map_err(Error::db("create version table"))?;
-    let found: i32 = tx
-        .query_one(&statements.schema_version, &[])
-        .await
+    let version = &statements.schema_version;
+    let found: i32 = (mode.query_one(tx, &version.sql, version.types, &[]).await)
         .map_err(Error::db("read schema version"))?
         .get(0);
     if found > latest_version() {
@@ -218,8 +219,8 @@ async fn prepare(
             tx.batch_execute(&sql::substitute(migration, table))
                 .await
                 .map_err(Error::db("migrate schema"))?;
-            tx.execute(&statements.record_version, &[version])
-                .await
+            let record = &statements.record_version;
+            (mode.execute(tx, &record.sql, record.types, &[version]).await)
                 .map_err(Error::db("record schema version"))?;
             tracing::info!(table = %table.display(), version, "pgfence schema migrated");
         }
@@ -228,19 +229,18 @@ async fn prepare(
 
     // Resolved here, in the transaction that took the setup lock by the same rule. So the
     // release wakes every standby of this table, however it spelled the name.
-    let channel = notify_channel(tx, table).await.map_err(Error::db("resolve table schema"))?;
+    let channel =
+        notify_channel(mode, tx, table).await.map_err(Error::db("resolve table schema"))?;
     let ttl_ms = ttl.as_millis() as i64;
-    let rows = tx
-        .query(
-            &statements.acquire,
-            &[&holder.owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app],
-        )
-        .await
+    let acquire = &statements.acquire;
+    let params: [&(dyn ToSql + Sync); 5] =
+        [&holder.owner_id, &ttl_ms, &holder.host, &holder.pid, &holder.app];
+    let rows = (mode.query(tx, &acquire.sql, acquire.types, &params).await)
         .map_err(Error::db("acquire lease"))?;
     let Some(row) = rows.first() else {
         // Taken in the moment since the check above (by a renewal racing an expiry, or an
         // operator): roll everything back, migrations included.
-        let info = lease_info(tx, statements).await?;
+        let info = lease_info(mode, tx, statements).await?;
         return Err(match info {
             Some(info) => held(table, info),
             None => Error::LeaseHeld {
@@ -257,8 +257,8 @@ async fn prepare(
     // the local deadline must not come after the database's expiry.
     let started = crate::clock::clock();
     // Exactly one row (query_one fails otherwise): ours, locked by this transaction.
-    tx.query_one(&statements.restart_expiry, &[&holder.owner_id, &ttl_ms])
-        .await
+    let restart = &statements.restart_expiry;
+    (mode.query_one(tx, &restart.sql, restart.types, &[&holder.owner_id, &ttl_ms]).await)
         .map_err(Error::db("acquire lease"))?;
     Ok(Acquired { owner_id: holder.owner_id, epoch, started, channel })
 }
@@ -287,11 +287,13 @@ async fn create_schema(tx: &mut tokio_postgres::Transaction<'_>, table: &TableNa
 /// ([`sql::TABLE_SCHEMA`]). The holder that releases, the standby that listens and the
 /// operator's force release each resolve it on their own connection. They meet on one channel.
 pub(crate) async fn notify_channel(
+    mode: PoolMode,
     client: &(impl tokio_postgres::GenericClient + Sync),
     table: &TableName,
 ) -> std::result::Result<String, tokio_postgres::Error> {
+    let (schema, types) = (sql::TABLE_SCHEMA, sql::TABLE_SCHEMA_TYPES);
     let schema: Option<String> =
-        client.query_one(sql::TABLE_SCHEMA, &[&table.schema]).await?.get(0);
+        mode.query_one(client, schema, types, &[&table.schema]).await?.get(0);
     Ok(sql::notify_channel(table, schema.as_deref()))
 }
 
@@ -312,10 +314,13 @@ pub struct LeaseInfo {
 
 /// Reads the lease row; `None` if the lease was never taken.
 pub(crate) async fn lease_info(
+    mode: PoolMode,
     client: &(impl tokio_postgres::GenericClient + Sync),
     statements: &Statements,
 ) -> Result<Option<LeaseInfo>> {
-    let rows = client.query(&statements.holder, &[]).await.map_err(Error::db("read lease"))?;
+    let holder = &statements.holder;
+    let rows = (mode.query(client, &holder.sql, holder.types, &[]).await)
+        .map_err(Error::db("read lease"))?;
     Ok(rows.first().map(|row| {
         let host: String = row.get("holder_host");
         let pid: i32 = row.get("holder_pid");
@@ -342,7 +347,7 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 
 /// Creates the database named in `config` when it does not exist (connecting to the
 /// `postgres` database with the same credentials and TLS). A concurrent creation is not an
-/// error. Making that connection (its startup and its read-committed `SET`) is given up after
+/// error. Making that connection (its startup and, in `mode`, its read-committed `SET`) is given up after
 /// `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed: it may
 /// legitimately take long, for a template copy or a checkpoint. So a server that stops
 /// answering right then holds up a plain `open()` until it answers. The caller's stop ends
@@ -351,12 +356,13 @@ pub(crate) async fn create_database(
     config: &tokio_postgres::Config,
     tls: &Tls,
     connect_timeout: Duration,
+    mode: PoolMode,
 ) -> Result<()> {
     let name = config.get_dbname().or(config.get_user()).unwrap_or("postgres").to_owned();
     let mut admin = config.clone();
     admin.dbname("postgres");
     let operation = "connect to create database";
-    let connecting = tls.connect(&admin, "create database", None);
+    let connecting = tls.connect_in(mode, &admin, "create database", None);
     let (client, connection) = match tokio::time::timeout(connect_timeout, connecting).await {
         Ok(connected) => {
             connected.map_err(|e| Error::connect(operation, &crate::connect::servers(&admin), e))?

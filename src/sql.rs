@@ -6,6 +6,12 @@
 //! substitution can never escape the quotes. Every value is a bind parameter.
 //!
 //! All expiry arithmetic uses the database clock (`clock_timestamp()`), never the local one.
+//!
+//! Each statement with parameters has a `*_TYPES` constant beside it: the types of `$1`, `$2`,
+//! ... in order. Behind a transaction pooler a statement runs unnamed, and the driver must then
+//! send those types itself (see `crate::session`).
+
+use tokio_postgres::types::Type;
 
 use crate::keys::TableName;
 
@@ -23,6 +29,7 @@ pub(crate) const SETUP_LOCK_CLASS: i32 = 0x7067_6665;
 pub(crate) const SETUP_LOCK: &str = r#"
 SELECT pg_advisory_xact_lock($1::int,
     hashtext(coalesce($2::text, current_schema()) || '.' || $3::text))"#;
+pub(crate) const SETUP_LOCK_TYPES: &[Type] = &[Type::INT4, Type::TEXT, Type::TEXT];
 
 /// The schema a table name resolves to, by the rule of [`SETUP_LOCK`]. That is the one given
 /// (`$1`). For an unqualified name, it is the one the table is created in, `current_schema()`.
@@ -30,6 +37,7 @@ SELECT pg_advisory_xact_lock($1::int,
 /// is NULL when the `search_path` names no existing schema. The NOTIFY channel is named from it
 /// (see [`notify_channel`]).
 pub(crate) const TABLE_SCHEMA: &str = "SELECT coalesce($1::text, current_schema())";
+pub(crate) const TABLE_SCHEMA_TYPES: &[Type] = &[Type::TEXT];
 
 /// First in the setup transaction. A `statement_timeout` or `lock_timeout` in the connection's
 /// options is meant for the application's operations, not the setup. See docs/design.md,
@@ -47,6 +55,7 @@ pub(crate) const SETUP_TIMEOUTS: &str =
 /// lease row too. So it holds up a failover at most about one TTL, as a holder cut off does.
 pub(crate) const SETUP_IDLE_TIMEOUT: &str =
     "SELECT set_config('idle_in_transaction_session_timeout', $1, true)";
+pub(crate) const SETUP_IDLE_TIMEOUT_TYPES: &[Type] = &[Type::TEXT];
 
 /// Around the migrations, which may lock the KV table (`ACCESS EXCLUSIVE`). While they wait for
 /// that lock, every other reader of the table queues behind them. So the connection's own
@@ -84,6 +93,7 @@ pub(crate) const DEFAULT_ISOLATION: &str =
 
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
+pub(crate) const TABLE_EXISTS_TYPES: &[Type] = &[Type::TEXT];
 
 /// Whether the schema named `$1` (as given, case kept) exists.
 ///
@@ -93,6 +103,7 @@ pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
 /// schemas. That is the usual least-privilege setup, with the schema made by an administrator.
 pub(crate) const SCHEMA_EXISTS: &str =
     "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)";
+pub(crate) const SCHEMA_EXISTS_TYPES: &[Type] = &[Type::TEXT];
 
 pub(crate) const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
 
@@ -105,6 +116,7 @@ CREATE TABLE IF NOT EXISTS {version} (
 pub(crate) const SCHEMA_VERSION: &str = "SELECT coalesce(max(version), 0) FROM {version}";
 
 pub(crate) const RECORD_VERSION: &str = "INSERT INTO {version} (version) VALUES ($1)";
+pub(crate) const RECORD_VERSION_TYPES: &[Type] = &[Type::INT4];
 
 /// Takes the lease if the row is absent or expired; returns the new epoch, or no row when the
 /// lease is held.
@@ -155,6 +167,8 @@ WITH timeline AS (
     RETURNING epoch
 )
 SELECT epoch FROM created UNION ALL SELECT epoch FROM taken"#;
+pub(crate) const ACQUIRE_TYPES: &[Type] =
+    &[Type::UUID, Type::INT8, Type::TEXT, Type::INT4, Type::TEXT];
 
 /// Right after [`ACQUIRE`], in its transaction: counts the new lease's TTL (and its
 /// acquisition time) from now, after any wait at the fence. The row is ours and locked by the
@@ -165,6 +179,7 @@ UPDATE {lease}
        acquired_at = clock_timestamp()
  WHERE id = 1 AND owner_id = $1
 RETURNING epoch"#;
+pub(crate) const RESTART_EXPIRY_TYPES: &[Type] = &[Type::UUID, Type::INT8];
 
 /// Who holds the lease and for how long still (milliseconds, by the database clock; negative
 /// when expired). No row: the lease was never taken.
@@ -184,6 +199,7 @@ UPDATE {lease}
    SET expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
  WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
 RETURNING epoch"#;
+pub(crate) const RENEW_TYPES: &[Type] = &[Type::UUID, Type::INT8];
 
 /// Gives the lease up by owner id: a stale store can never release its successor's lease.
 /// Expires the row now and keeps the epoch counter. `pg_notify` (delivered at commit) wakes
@@ -196,6 +212,7 @@ WITH released AS (
     RETURNING epoch
 )
 SELECT epoch, pg_notify($2, epoch::text) FROM released"#;
+pub(crate) const RELEASE_TYPES: &[Type] = &[Type::UUID, Type::TEXT];
 
 /// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
 /// (FOR KEY SHARE) only if we own it and it has not expired. The lock is held until commit, so
@@ -218,6 +235,8 @@ WITH lease AS (
     DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
+pub(crate) const WRITE_TYPES: &[Type] =
+    &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA];
 
 /// The fenced remove, shaped like [`WRITE`]: the delete joins the `valid` CTE, so it removes
 /// nothing when the lease is gone. Removing a missing key is not an error.
@@ -233,6 +252,7 @@ WITH lease AS (
      WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
+pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
@@ -278,6 +298,16 @@ WITH lease AS (
        AND kv.key = r.key
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
+pub(crate) const BATCH_TYPES: &[Type] = &[
+    Type::UUID,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::BYTEA_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+];
 
 /// [`BATCH`] without removes, for batches of puts only. That is the common case, and every
 /// group of coalesced writes without a remove.
@@ -303,15 +333,19 @@ WITH lease AS (
     DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
+pub(crate) const BATCH_PUT_TYPES: &[Type] =
+    &[Type::UUID, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY];
 
 pub(crate) const READ: &str = r#"
 SELECT value FROM {kv}
  WHERE primary_namespace = $1 AND secondary_namespace = $2 AND key = $3"#;
+pub(crate) const READ_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT];
 
 pub(crate) const LIST: &str = r#"
 SELECT key FROM {kv}
  WHERE primary_namespace = $1 AND secondary_namespace = $2
  ORDER BY key"#;
+pub(crate) const LIST_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 
 /// One page, newest-created first. `$3` is the page token (the `created_seq` of the last key
 /// of the previous page; `i64::MAX` for the first page), so deleting keys between pages never
@@ -321,11 +355,13 @@ SELECT key, created_seq FROM {kv}
  WHERE primary_namespace = $1 AND secondary_namespace = $2 AND created_seq < $3
  ORDER BY created_seq DESC
  LIMIT $4"#;
+pub(crate) const LIST_PAGE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::INT8, Type::INT8];
 
 /// Whether the KV table has never had planner statistics (`$1`: its quoted name).
 pub(crate) const NEVER_ANALYZED: &str = r#"
 SELECT coalesce((SELECT last_analyze IS NULL AND last_autoanalyze IS NULL
                    FROM pg_stat_user_tables WHERE relid = to_regclass($1)), false)"#;
+pub(crate) const NEVER_ANALYZED_TYPES: &[Type] = &[Type::TEXT];
 
 /// Gathers the planner's statistics of the KV table.
 pub(crate) const ANALYZE: &str = "ANALYZE {kv}";
@@ -385,51 +421,59 @@ pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (4, include_str!("../migrations/0004_kv_key_collation.sql")),
 ];
 
+/// One statement of a store: its SQL, with the table names substituted, and the types of its
+/// parameters (the `*_TYPES` constant beside its SQL).
+#[derive(Debug, Clone)]
+pub(crate) struct Statement {
+    pub(crate) sql: String,
+    pub(crate) types: &'static [Type],
+}
+
 /// The statements of one store, with its table names substituted.
 #[derive(Debug, Clone)]
 pub(crate) struct Statements {
-    pub(crate) create_version_table: String,
-    pub(crate) schema_version: String,
-    pub(crate) record_version: String,
-    pub(crate) acquire: String,
-    pub(crate) restart_expiry: String,
-    pub(crate) holder: String,
-    pub(crate) renew: String,
-    pub(crate) release: String,
-    pub(crate) write: String,
-    pub(crate) remove: String,
-    pub(crate) batch: String,
-    pub(crate) batch_put: String,
-    pub(crate) read: String,
-    pub(crate) list: String,
-    pub(crate) list_page: String,
-    pub(crate) list_all: String,
-    pub(crate) entries: String,
-    pub(crate) analyze: String,
+    pub(crate) create_version_table: Statement,
+    pub(crate) schema_version: Statement,
+    pub(crate) record_version: Statement,
+    pub(crate) acquire: Statement,
+    pub(crate) restart_expiry: Statement,
+    pub(crate) holder: Statement,
+    pub(crate) renew: Statement,
+    pub(crate) release: Statement,
+    pub(crate) write: Statement,
+    pub(crate) remove: Statement,
+    pub(crate) batch: Statement,
+    pub(crate) batch_put: Statement,
+    pub(crate) read: Statement,
+    pub(crate) list: Statement,
+    pub(crate) list_page: Statement,
+    pub(crate) list_all: Statement,
+    pub(crate) entries: Statement,
+    pub(crate) analyze: Statement,
 }
 
 impl Statements {
     pub(crate) fn new(table: &TableName) -> Statements {
-        let s = |sql: &str| substitute(sql, table);
+        let s = |sql: &str, types| Statement { sql: substitute(sql, table), types };
         Statements {
-            create_version_table: s(CREATE_VERSION_TABLE),
-            schema_version: s(SCHEMA_VERSION),
-            record_version: s(RECORD_VERSION),
-            acquire: s(ACQUIRE),
-            restart_expiry: s(RESTART_EXPIRY),
-            holder: s(HOLDER),
-            renew: s(RENEW),
-            release: s(RELEASE),
-            write: s(WRITE),
-            remove: s(REMOVE),
-            batch: s(BATCH),
-            batch_put: s(BATCH_PUT),
-            read: s(READ),
-            list: s(LIST),
-            list_page: s(LIST_PAGE),
-            list_all: s(LIST_ALL),
-            entries: s(ENTRIES),
-            analyze: s(ANALYZE),
+            create_version_table: s(CREATE_VERSION_TABLE, &[]),
+            schema_version: s(SCHEMA_VERSION, &[]),
+            record_version: s(RECORD_VERSION, RECORD_VERSION_TYPES),
+            acquire: s(ACQUIRE, ACQUIRE_TYPES),
+            restart_expiry: s(RESTART_EXPIRY, RESTART_EXPIRY_TYPES),
+            holder: s(HOLDER, &[]),
+            renew: s(RENEW, RENEW_TYPES),
+            release: s(RELEASE, RELEASE_TYPES),
+            write: s(WRITE, WRITE_TYPES),
+            remove: s(REMOVE, REMOVE_TYPES),
+            batch: s(BATCH, BATCH_TYPES),
+            batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
+            read: s(READ, READ_TYPES),
+            list: s(LIST, LIST_TYPES),
+            list_page: s(LIST_PAGE, LIST_PAGE_TYPES),
+            list_all: s(LIST_ALL, &[]),
+            entries: s(ENTRIES, &[]),
+            analyze: s(ANALYZE, &[]),
         }
     }
 }
@@ -479,6 +523,58 @@ pub(crate) fn notify_channel(table: &TableName, schema: Option<&str>) -> String 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The highest `$n` in `sql`: how many parameters it takes.
+    fn parameters(sql: &str) -> usize {
+        let mut highest = 0;
+        for (i, _) in sql.match_indices('$') {
+            let digits: String = sql[i + 1..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            highest = highest.max(digits.parse().unwrap_or(0));
+        }
+        highest
+    }
+
+    /// Each statement declares one type per parameter: an unnamed statement sends them all.
+    #[test]
+    fn every_parameter_has_a_type() {
+        let fixed = [
+            (SETUP_LOCK, SETUP_LOCK_TYPES),
+            (TABLE_SCHEMA, TABLE_SCHEMA_TYPES),
+            (SETUP_IDLE_TIMEOUT, SETUP_IDLE_TIMEOUT_TYPES),
+            (TABLE_EXISTS, TABLE_EXISTS_TYPES),
+            (SCHEMA_EXISTS, SCHEMA_EXISTS_TYPES),
+            (NEVER_ANALYZED, NEVER_ANALYZED_TYPES),
+            (DEFAULT_ISOLATION, &[]),
+            (BACKEND_IDENTITY, &[]),
+            (SESSION_CONTROL, &[]),
+        ];
+        for (sql, types) in fixed {
+            assert_eq!(parameters(sql), types.len(), "{sql}");
+        }
+        let s = Statements::new(&TableName::parse("t").unwrap());
+        for statement in [
+            &s.create_version_table,
+            &s.schema_version,
+            &s.record_version,
+            &s.acquire,
+            &s.restart_expiry,
+            &s.holder,
+            &s.renew,
+            &s.release,
+            &s.write,
+            &s.remove,
+            &s.batch,
+            &s.batch_put,
+            &s.read,
+            &s.list,
+            &s.list_page,
+            &s.list_all,
+            &s.entries,
+            &s.analyze,
+        ] {
+            assert_eq!(parameters(&statement.sql), statement.types.len(), "{}", statement.sql);
+        }
+    }
 
     #[test]
     fn notify_channels() {

@@ -20,11 +20,6 @@ use crate::redirect;
 /// How long [`PgBouncer::start`] waits for the pooler to accept TCP connections.
 const START_WAIT: Duration = Duration::from_secs(30);
 
-/// The server connections per database and user that [`PgBouncer::start`] allows: enough that
-/// the tests' stores (pool, renewal and standby connections) never queue for one in session
-/// mode.
-const DEFAULT_POOL_SIZE: u32 = 150;
-
 /// The keeper of one pooler. It starts PgBouncer in the background, then blocks reading a pipe
 /// whose only write end the test process holds. End-of-file comes when the test process drops
 /// it or dies, for any reason; the keeper then stops PgBouncer and deletes its directory.
@@ -73,7 +68,6 @@ pub struct PgBouncer {
     root: PathBuf,
     port: u16,
     mode: PoolMode,
-    pool_size: u32,
     keeper: Option<Keeper>,
 }
 
@@ -84,29 +78,25 @@ struct Keeper {
     stdin: ChildStdin,
 }
 
+/// Server connections per database and user: enough that the tests' stores (pool, renewal and
+/// standby connections) never queue for one in session mode.
+const DEFAULT_POOL_SIZE: u32 = 150;
+
 impl PgBouncer {
     /// Starts a PgBouncer in `mode` in front of the server at `target` (for example
     /// [`TestCluster::tcp_addr`](crate::TestCluster::tcp_addr)), and returns once it accepts
     /// TCP connections.
     pub fn start(target: SocketAddr, mode: PoolMode) -> io::Result<PgBouncer> {
-        PgBouncer::start_with_pool_size(target, mode, DEFAULT_POOL_SIZE)
+        PgBouncer::start_sized(target, mode, DEFAULT_POOL_SIZE)
     }
 
-    /// [`PgBouncer::start`] with at most `pool_size` server connections per database and user
-    /// (PgBouncer's `default_pool_size`). In transaction mode a small one makes clients share
-    /// server sessions: with 1, every transaction of every client runs on one session. A client
-    /// finding none free waits for one (up to PgBouncer's `query_wait_timeout`, 120 s).
-    pub fn start_with_pool_size(
+    /// [`PgBouncer::start`] with at most `pool_size` server connections per database and
+    /// user. A small pool makes its clients share server sessions in transaction mode.
+    pub fn start_sized(
         target: SocketAddr,
         mode: PoolMode,
         pool_size: u32,
     ) -> io::Result<PgBouncer> {
-        if pool_size == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "pool_size must be at least 1",
-            ));
-        }
         let binary = find_pgbouncer()?;
         let mut attempt = 1;
         loop {
@@ -137,7 +127,7 @@ impl PgBouncer {
             .map_err(|e| annotate(e, format!("could not create {}", root.display())))?;
         let port = free_port()?;
         // From here on, an early return drops `bouncer`, which deletes `root`.
-        let mut bouncer = PgBouncer { root, port, mode, pool_size, keeper: None };
+        let mut bouncer = PgBouncer { root, port, mode, keeper: None };
         let socket_dir = bouncer.root.join("sock");
         fs::DirBuilder::new().mode(0o700).create(&socket_dir)?;
         let ini = bouncer.root.join("pgbouncer.ini");
@@ -228,11 +218,6 @@ impl PgBouncer {
     /// The pool mode it runs in.
     pub fn mode(&self) -> PoolMode {
         self.mode
-    }
-
-    /// The most server connections it opens per database and user (`default_pool_size`).
-    pub fn pool_size(&self) -> u32 {
-        self.pool_size
     }
 
     /// The TCP address clients connect to, `127.0.0.1:<port>`.

@@ -13,13 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::types::ToSql;
 
 use super::Lease;
 use super::fleet::Renewer;
 use crate::clock::clock;
 use crate::connect::{Tls, servers};
 use crate::error::{Error, LossReason, Result};
-use crate::sql;
+use crate::session::{PoolMode, Prepared};
+use crate::sql::{self, Statement};
 
 /// The target of this module's log events: stable, whatever the module's path (see
 /// docs/design.md, "Logging").
@@ -29,7 +31,7 @@ const LOG: &str = "pgfence::lease";
 #[derive(Debug, Clone)]
 pub(crate) enum Connector {
     /// Connects on the renewal thread's own runtime: fully independent of the application.
-    Config(Box<tokio_postgres::Config>, Tls),
+    Config(Box<tokio_postgres::Config>, Tls, PoolMode),
     /// An application-supplied pool: a connection is taken out of it for good (the pool opens
     /// a replacement when it needs one). Its I/O task runs on the runtime that created it.
     Pool(crate::connect::Pool),
@@ -59,13 +61,21 @@ impl Conn {
 }
 
 impl Connector {
+    /// How statements run on the connections it makes.
+    pub(super) fn mode(&self) -> PoolMode {
+        match self {
+            Connector::Config(_, _, mode) => *mode,
+            Connector::Pool(pool) => pool.mode(),
+        }
+    }
+
     pub(super) async fn connect(&self, timeout: Duration) -> Result<Conn> {
         let operation = "connect (lease renewal)";
         let connecting = async {
             match self {
-                Connector::Config(config, tls) => {
+                Connector::Config(config, tls, mode) => {
                     let (client, _) = tls
-                        .connect(config, "renewal", None)
+                        .connect_in(*mode, config, "renewal", None)
                         .await
                         .map_err(|e| Error::connect(operation, &servers(config), e))?;
                     Ok(Conn::Own(client))
@@ -86,8 +96,8 @@ impl Connector {
 #[derive(Debug, Clone)]
 pub(crate) struct KeeperConfig {
     pub(crate) connector: Connector,
-    pub(crate) renew_sql: String,
-    pub(crate) release_sql: String,
+    pub(crate) renew_sql: Statement,
+    pub(crate) release_sql: Statement,
     pub(crate) notify_channel: String,
     pub(crate) ttl: Duration,
     pub(crate) renew_interval: Duration,
@@ -482,7 +492,8 @@ pub(super) async fn renewal_connection(
     let conn = connector.connect(timeout).await?;
     let configure = format!("{}; {extra}", sql::RENEWAL_SESSION);
     let configure = if extra.is_empty() { sql::RENEWAL_SESSION } else { &configure };
-    conn.client().batch_execute(configure).await.map_err(Error::db("configure renewal session"))?;
+    (connector.mode().set_session(conn.client(), configure).await)
+        .map_err(Error::db("configure renewal session"))?;
     Ok(conn)
 }
 
@@ -520,7 +531,7 @@ struct Session {
     conn: Arc<Conn>,
     /// Which of the fleet's shared connections this is (0 for a connection of its own).
     generation: u64,
-    renew: tokio_postgres::Statement,
+    renew: Prepared<'static>,
 }
 
 async fn connected<'a>(config: &KeeperConfig, link: &'a mut Link) -> Result<&'a Session> {
@@ -537,8 +548,10 @@ async fn connected<'a>(config: &KeeperConfig, link: &'a mut Link) -> Result<&'a 
             }
             Some(fleet) => fleet.connection().get().await?,
         };
-        let renew =
-            conn.client().prepare(&config.renew_sql).await.map_err(Error::db("prepare renewal"))?;
+        let mode = config.connector.mode();
+        let renew = (mode.prepare(conn.client(), &config.renew_sql).await)
+            .map_err(Error::db("prepare renewal"))?
+            .into_owned();
         link.session = Some(Session { conn, generation, renew });
     }
     Ok(link.session.as_ref().expect("connected above"))
@@ -564,9 +577,8 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Resu
     }
     let ttl_ms = config.ttl.as_millis() as i64;
     let rows = session
-        .conn
-        .client()
-        .query(&session.renew, &[&lease.owner_id, &ttl_ms])
+        .renew
+        .query(session.conn.client(), &[&lease.owner_id, &ttl_ms])
         .await
         .map_err(Error::db("renew lease"))?;
     Ok(if rows.is_empty() { Renewal::NotOurs } else { Renewal::Extended })
@@ -574,10 +586,10 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Resu
 
 async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Result<()> {
     let session = connected(config, session).await?;
-    let rows = session
-        .conn
-        .client()
-        .query(&config.release_sql, &[&lease.owner_id, &config.notify_channel])
+    let release = &config.release_sql;
+    let params: [&(dyn ToSql + Sync); 2] = [&lease.owner_id, &config.notify_channel];
+    let rows = (config.connector.mode())
+        .query(session.conn.client(), &release.sql, release.types, &params)
         .await
         .map_err(Error::db("release lease"))?;
     if rows.is_empty() {
@@ -654,9 +666,9 @@ mod tests {
         let mut config = tokio_postgres::Config::new();
         config.host("127.0.0.1").port(1).user("nobody");
         KeeperConfig {
-            connector: Connector::Config(Box::new(config), Tls::default()),
-            renew_sql: "SELECT 1".into(),
-            release_sql: "SELECT 1".into(),
+            connector: Connector::Config(Box::new(config), Tls::default(), PoolMode::Session),
+            renew_sql: Statement { sql: "SELECT 1".into(), types: &[] },
+            release_sql: Statement { sql: "SELECT 1".into(), types: &[] },
             notify_channel: "c".into(),
             ttl: renew_interval * 3,
             renew_interval,

@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::inspect::Inspector;
 use crate::keys::{MAX_BATCH_BYTES, TableName};
 use crate::lease::LeaseLossPolicy;
+pub use crate::session::PoolMode;
 
 /// Where the store's connections come from.
 #[derive(Clone)]
@@ -77,31 +78,6 @@ pub struct Builder {
     pub(crate) fleet: Option<FleetShare>,
     /// The LISTEN connection a standby shares with others; `None`: it makes its own.
     pub(crate) listener: Option<Arc<Listener>>,
-}
-
-/// How the server sessions behind a connection string are shared: [`Builder::pool_mode`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum PoolMode {
-    /// Each connection keeps one server session until it closes: a direct connection to
-    /// PostgreSQL, or a pooler in session mode (PgBouncer's `pool_mode = session`).
-    ///
-    /// Statements are prepared once per connection and their plans reused. A standby is woken
-    /// by the holder's release at once (LISTEN/NOTIFY). `open()` refuses a transaction pooler
-    /// it detects ([`crate::Error::PoolerModeUnsupported`]).
-    #[default]
-    Session,
-    /// Each transaction may run on another server session, shared with other clients:
-    /// PgBouncer's `pool_mode = transaction`.
-    ///
-    /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
-    /// planned on every execution. No session setting is made. A standby polls the lease
-    /// instead of listening for the release. See docs/deployments.md, section "Poolers".
-    ///
-    /// That standby, alone or in a [`crate::Fleet`], opens no `LISTEN` connection. It looks at
-    /// the lease every second (see [`crate::Standby`], "Waking"). A graceful handoff thus takes
-    /// up to about a second, instead of about 50 ms.
-    Transaction,
 }
 
 /// What the stores of a fleet share: its pool and its renewal thread. Weak, so that a builder
@@ -511,21 +487,23 @@ impl Builder {
         }
         let config = match &self.source {
             Source::Config(_) => self.connection_config().expect("a config source"),
-            Source::Pool(pool) => return Ok(connect::Pool::new(pool.clone(), None)),
+            Source::Pool(pool) => {
+                return Ok(connect::Pool::new(pool.clone(), None, self.pool_mode));
+            }
             Source::Invalid(reason) => {
                 return Err(Error::config("connection string", reason.clone()));
             }
         };
         let manager = self.tls.manager(config.clone());
         let pool = Pool::builder(manager)
-            .post_create(connect::read_committed(self.connect_timeout))
+            .post_create(connect::read_committed(self.connect_timeout, self.pool_mode))
             .max_size(self.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(self.connect_timeout))
             .recycle_timeout(Some(self.connect_timeout))
             .build()
             .map_err(|e| Error::config("pool", e.to_string()))?;
-        Ok(connect::Pool::new(pool, Some(&config)))
+        Ok(connect::Pool::new(pool, Some(&config), self.pool_mode))
     }
 
     /// Checks every option; returns the parsed table name.

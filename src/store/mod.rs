@@ -402,7 +402,7 @@ impl PgKvStore {
     /// `close()` it needs a pool that is still open. The store closes a pool it built itself.
     pub async fn lease_info(&self) -> Result<Option<LeaseInfo>> {
         let client = self.exec.pool.get("read lease").await?;
-        schema::lease_info(&**client, &self.exec.statements).await
+        schema::lease_info(self.exec.pool.mode(), &**client, &self.exec.statements).await
     }
 
     /// Closes the store, in this order:

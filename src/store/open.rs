@@ -22,6 +22,7 @@ use crate::exec::{Backend, Checkout, Executor, detached, discard, identify};
 use crate::keys::TableName;
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease};
 use crate::schema::{self, Holder, SetupFailed};
+use crate::session::PoolMode;
 use crate::sql::{self, Statements};
 use crate::write::Writes;
 
@@ -109,7 +110,8 @@ async fn open_here(
     let (connector, config) = match &builder.source {
         Source::Config(_) => {
             let config = builder.connection_config().expect("a config source");
-            (Connector::Config(Box::new(config.clone()), builder.tls.clone()), Some(config))
+            let mode = pool.mode();
+            (Connector::Config(Box::new(config.clone()), builder.tls.clone(), mode), Some(config))
         }
         Source::Pool(_) => (Connector::Pool(pool.clone()), None),
         Source::Invalid(_) => unreachable!("validate() rejects an invalid source"),
@@ -131,18 +133,22 @@ async fn open_here(
     // Quick statements (they wait for no lock), so given up after `connect_timeout`. A
     // pooled connection may have gone silent while idle (a middlebox that hung). It then costs
     // this attempt, which a standby retries, instead of holding it up for good.
+    let mode = pool.mode();
     let checks = async {
-        // First: the checks below and the setup use prepared statements, and ending a
-        // session by pid is only safe with a session of our own.
+        // First: in session mode, the checks below and the setup use prepared statements, and
+        // ending a session by pid is only safe with a session of our own. In transaction mode
+        // the store sets nothing on its connections, so each must default to read committed.
         if !reuse.checked.load(Ordering::Relaxed) {
-            connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
-            if let Source::Pool(_) = &builder.source {
-                check_pool_isolation(&client).await?;
+            if mode.keeps_session() {
+                connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
+            }
+            if matches!(builder.source, Source::Pool(_)) || !mode.keeps_session() {
+                check_default_isolation(mode, &client, &builder.source).await?;
             }
             reuse.checked.store(true, Ordering::Relaxed);
         }
         // Known before the setup, so that a setup whose commit goes unanswered can be ended.
-        identify(&client).await
+        identify(mode, &client).await
     };
     let backend = match answered_in_time(&mut caller, builder.connect_timeout, checks).await {
         Some(checked) => checked?,
@@ -157,6 +163,7 @@ async fn open_here(
         }
     };
     let acquired = schema::setup_and_acquire(
+        mode,
         &mut client,
         (&builder.tls, builder.connect_timeout),
         &mut caller,
@@ -220,7 +227,8 @@ async fn open_here(
             // its TTL. The connection, left with the release unanswered, is closed rather than
             // handed back to the pool.
             let params: [&(dyn ToSql + Sync); 2] = [&acquired.owner_id, &acquired.channel];
-            let release = client.query(&statements.release, &params);
+            let release = &statements.release;
+            let release = mode.query(&**client, &release.sql, release.types, &params);
             match tokio::time::timeout(builder.connect_timeout, release).await.ok() {
                 Some(Ok(_)) => drop(client),
                 Some(Err(release)) => {
@@ -249,8 +257,9 @@ async fn open_here(
     // else, or a server that stopped answering, would otherwise hold up the opened store
     // (its lease taken) for as long.
     let analyzing = async {
-        match client.query_one(sql::NEVER_ANALYZED, &[&table.quoted("")]).await {
-            Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze).await,
+        let (never, types) = (sql::NEVER_ANALYZED, sql::NEVER_ANALYZED_TYPES);
+        match mode.query_one(&**client, never, types, &[&table.quoted("")]).await {
+            Ok(row) if row.get::<_, bool>(0) => client.batch_execute(&statements.analyze.sql).await,
             other => other.map(drop),
         }
     };
@@ -300,25 +309,44 @@ async fn open_here(
 
 /// A store on a pool passed in runs its mutations on connections it did not open. So it
 /// cannot set them to read committed as it does its own (see `sql::READ_COMMITTED`). The
-/// renewal thread sets its own connection of the pool. The store refuses a pool whose
-/// connections default to repeatable read or serializable. Otherwise a write that waited for a
-/// takeover would meet a serialization failure, not report a lost lease. Read uncommitted is
-/// read committed in PostgreSQL.
-async fn check_pool_isolation(client: &tokio_postgres::Client) -> Result<()> {
-    let level: String = client
-        .query_one(sql::DEFAULT_ISOLATION, &[])
+/// renewal thread sets its own connection of the pool. Behind a transaction pooler
+/// ([`PoolMode::Transaction`](crate::PoolMode::Transaction)) it sets no connection at all: a
+/// session setting would stay with a server session other clients share.
+///
+/// The store refuses connections that default to repeatable read or serializable. Otherwise a
+/// write that waited for a takeover would meet a serialization failure, not report a lost
+/// lease. Read uncommitted is read committed in PostgreSQL.
+async fn check_default_isolation(
+    mode: PoolMode,
+    client: &tokio_postgres::Client,
+    source: &Source,
+) -> Result<()> {
+    let level: String = mode
+        .query_one(client, sql::DEFAULT_ISOLATION, &[], &[])
         .await
         .map_err(Error::db("check default isolation"))?
         .get(0);
     if matches!(level.as_str(), "read committed" | "read uncommitted") {
         return Ok(());
     }
+    let fix = match source {
+        Source::Pool(_) => {
+            "set it on the pool's connections with the connection option \
+                            `-c default_transaction_isolation=read\\ committed`"
+        }
+        // Nothing is set on a session behind a transaction pooler, which may refuse startup
+        // options as well: the default must come from the server.
+        _ => {
+            "behind a transaction pooler pgfence sets nothing on a session, so set it for the \
+              role or database: `ALTER ROLE ... SET default_transaction_isolation = \
+              'read committed'`"
+        }
+    };
     Err(Error::config(
-        "pool",
+        if matches!(source, Source::Pool(_)) { "pool" } else { "pool_mode" },
         format!(
             "its connections default to {level} isolation (default_transaction_isolation); \
-             pgfence needs read committed: set it on the pool's connections with the \
-             connection option `-c default_transaction_isolation=read\\ committed`"
+             pgfence needs read committed: {fix}"
         ),
     ))
 }
@@ -336,7 +364,7 @@ async fn connect(
             let Some(config) = config else {
                 return Err(pool.error("connect", PoolError::Backend(e)));
             };
-            schema::create_database(config, tls, connect_timeout).await?;
+            schema::create_database(config, tls, connect_timeout, pool.mode()).await?;
             pool.get("connect").await
         }
         other => other.map_err(|e| pool.error("connect", e)),
@@ -402,8 +430,10 @@ async fn release_unanswered_setup(
             while client.query_opt(sql::BACKEND_ALIVE, &params).await?.is_some() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            let channel = schema::notify_channel(&***client, table).await?;
-            client.query(&statements.release, &[&owner_id, &channel]).await
+            let channel = schema::notify_channel(pool.mode(), &***client, table).await?;
+            let release = &statements.release;
+            let params: [&(dyn ToSql + Sync); 2] = [&owner_id, &channel];
+            pool.mode().query(&***client, &release.sql, release.types, &params).await
         };
         let released = released.await;
         client.answered();

@@ -1,11 +1,14 @@
 //! pgfence through a real PgBouncer (`pgfence_testing::PgBouncer`) in front of the shared test
 //! server. Session mode is supported: the conformance suite, a standby handoff and a takeover
-//! after expiry run through it. Transaction mode is refused at `open()`, before the store
-//! creates anything or could end a server session that is not its own.
+//! after expiry run through it. Transaction mode is supported with
+//! `Builder::pool_mode(PoolMode::Transaction)`: the conformance suite, batches and coalesced
+//! writes run through it, beside another client's prepared statements on the same server
+//! sessions. A store in session mode behind a transaction pooler is refused at `open()`, before
+//! it creates anything or could end a server session that is not its own.
 //!
-//! With `PoolMode::Transaction` the same handoff and takeover run through PgBouncer in
-//! transaction mode, on a few server sessions that all clients share. The standby polls there:
-//! it never LISTENs, alone or in a fleet.
+//! In transaction mode the standby handoff and the takeover after expiry run too, on a few
+//! server sessions that all clients share. The standby polls there: it never LISTENs, alone or
+//! in a fleet.
 
 use crate::common;
 
@@ -30,22 +33,20 @@ fn bouncer(mode: PoolMode) -> PgBouncer {
     bouncer
 }
 
-/// A builder of a store on `t` that connects through `bouncer`, in the pool mode that matches
-/// the pooler's.
+/// A builder of a store on `t` that connects through `bouncer`.
 fn via(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
     PgKvStore::builder_from_config(bouncer.config_via(&common::server().config()))
         .table(t)
         .pool_size(4)
         .lease_ttl(TTL)
         .renew_interval(Duration::from_secs(5))
-        .pool_mode(store_mode(bouncer.mode()))
 }
 
-/// The store's [`pgfence::PoolMode`] for a pooler in `mode`.
-fn store_mode(mode: PoolMode) -> pgfence::PoolMode {
-    match mode {
-        PoolMode::Session => pgfence::PoolMode::Session,
-        _ => pgfence::PoolMode::Transaction,
+/// [`via`], in the store's pool mode that matches the pooler's.
+fn via_matching(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
+    match bouncer.mode() {
+        PoolMode::Session => via(bouncer, t),
+        _ => via_transactions(bouncer, t),
     }
 }
 
@@ -66,8 +67,8 @@ async fn waiting(standby: Standby) -> JoinHandle<pgfence::Result<PgKvStore>> {
 /// start of the release until the standby's `open()` returned.
 async fn graceful_handoff(bouncer: &PgBouncer, prefix: &str) -> Duration {
     let t = table(prefix);
-    let active = via(bouncer, &t).application_name("active").open().await.unwrap();
-    let waiting = waiting(via(bouncer, &t).application_name("standby").standby()).await;
+    let active = via_matching(bouncer, &t).application_name("active").open().await.unwrap();
+    let waiting = waiting(via_matching(bouncer, &t).application_name("standby").standby()).await;
     active.write("p", "s", "k", b"first".to_vec()).await.unwrap();
     let released = Instant::now();
     active.close().await.unwrap();
@@ -89,7 +90,7 @@ async fn graceful_handoff(bouncer: &PgBouncer, prefix: &str) -> Duration {
 /// is refused there, by the fence in its statement. Epochs strictly increase.
 async fn takeover_after_expiry(bouncer: &PgBouncer, prefix: &str) {
     let t = table(prefix);
-    let holder = via(bouncer, &t)
+    let holder = via_matching(bouncer, &t)
         .application_name("holder")
         .renew_interval(Duration::from_secs(19))
         .open()
@@ -103,7 +104,7 @@ async fn takeover_after_expiry(bouncer: &PgBouncer, prefix: &str) {
     );
     db.execute(&expire, &[]).await.unwrap();
     let started = Instant::now();
-    let store = within("takeover", via(bouncer, &t).open_when_available()).await.unwrap();
+    let store = within("takeover", via_matching(bouncer, &t).open_when_available()).await.unwrap();
     let took = started.elapsed();
     println!("takeover through pgbouncer ({:?} mode) after {took:?}", bouncer.mode());
     assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
@@ -119,7 +120,7 @@ async fn takeover_after_expiry(bouncer: &PgBouncer, prefix: &str) {
     assert_eq!((owner, epoch), (store.owner_id(), 2), "the old holder's close left it alone");
     store.write("p", "s", "k", b"new".to_vec()).await.unwrap();
     store.close().await.unwrap();
-    let next = via(bouncer, &t).open().await.unwrap();
+    let next = via_matching(bouncer, &t).open().await.unwrap();
     assert_eq!(next.fencing_token(), 3);
     next.close().await.unwrap();
 }
@@ -160,8 +161,9 @@ async fn takeover_after_expiry_through_pgbouncer_in_session_mode() {
     takeover_after_expiry(&bouncer, "bouncer_crash").await;
 }
 
-/// Behind a pooler in transaction mode `open()` fails with a typed error naming the mode and
-/// what to use instead, before the setup: no table is created and no lease taken.
+/// Behind a pooler in transaction mode a store in session mode (the default) fails at `open()`
+/// with a typed error naming the mode and what to set instead, before the setup: no table is
+/// created and no lease taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_mode_is_refused_at_open() {
     let bouncer = bouncer(PoolMode::Transaction);
@@ -176,6 +178,7 @@ async fn transaction_mode_is_refused_at_open() {
         let message = e.to_string();
         assert!(message.contains("transaction mode"), "{message}");
         assert!(message.contains("session mode"), "{message}");
+        assert!(message.contains("pool_mode(PoolMode::Transaction)"), "{message}");
         assert_eq!(std::io::Error::from(e).kind(), std::io::ErrorKind::InvalidInput);
         let db = admin().await;
         assert!(!table_exists(&db, &t).await, "refused before the setup");
@@ -220,6 +223,183 @@ async fn a_prepared_statement_taken_behind_a_transaction_pooler_names_the_mode()
     driver.await.expect("the driver task").expect("the connection ended cleanly");
 }
 
+/// A builder of a store in transaction mode on `t` through `bouncer`.
+fn via_transactions(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
+    via(bouncer, t).pool_mode(pgfence::PoolMode::Transaction)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_through_pgbouncer_in_transaction_mode() {
+    let bouncer = bouncer(PoolMode::Transaction);
+    let config = bouncer.config_via(&common::server().config());
+    let setup = Setup {
+        facade: Box::new(Native),
+        builder: Box::new(move |table| {
+            PgKvStore::builder_from_config(config.clone())
+                .pool_mode(pgfence::PoolMode::Transaction)
+                .table(table)
+                .pool_size(4)
+                .lease_ttl(Duration::from_secs(15))
+                .renew_interval(Duration::from_secs(3))
+        }),
+        schema: None,
+        page_size: Some(7),
+    };
+    let run = tokio::time::timeout(SUITE_LIMIT, check_contract(&setup));
+    run.await.unwrap_or_else(|_| panic!("the conformance suite hung for {SUITE_LIMIT:?}"));
+}
+
+/// An atomic batch, and many writes at once (coalesced into batch statements), commit through
+/// a transaction pooler and read back as written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_and_coalesced_writes_through_pgbouncer_in_transaction_mode() {
+    let bouncer = bouncer(PoolMode::Transaction);
+    let t = table("bouncer_txn_batch");
+    let store = within("open", via_transactions(&bouncer, &t).open()).await.unwrap();
+    store.write("p", "s", "old", b"old".to_vec()).await.unwrap();
+    let batch = store
+        .batch()
+        .put("p", "s", "a", b"a".to_vec())
+        .put("p", "s", "b", b"b".to_vec())
+        .remove("p", "s", "old");
+    within("batch", batch.commit()).await.unwrap();
+    assert_eq!(store.list("p", "s").await.unwrap(), ["a", "b"]);
+
+    // Many calls at once, several per key: each key ends with its last call's value.
+    let writes: Vec<_> = (0..300)
+        .map(|i| store.write("many", "s", &format!("k{}", i % 50), format!("v{i}").into_bytes()))
+        .collect();
+    for write in writes {
+        within("write", write).await.unwrap();
+    }
+    for k in 0..50 {
+        let value = store.read("many", "s", &format!("k{k}")).await.unwrap();
+        assert_eq!(value, format!("v{}", 250 + k).into_bytes(), "k{k}");
+    }
+    store.close().await.unwrap();
+}
+
+/// A PgBouncer in transaction mode with one server connection: every client shares one server
+/// session. Another client leaves prepared statements on it, named as the driver names its
+/// own (`s0`, `s1`, ...): as the driver of another process would. The store's operations all
+/// succeed, since it prepares no named statement.
+///
+/// The other client prepares with `PREPARE` rather than through the driver: the driver's
+/// numbering is per process, so its names would never collide with this process's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_clients_prepared_statements_on_shared_sessions_in_transaction_mode() {
+    use pgfence::tokio_postgres::NoTls;
+    let server = common::server();
+    let addr = server.tcp_addr().expect("the test server's TCP address");
+    let bouncer = PgBouncer::start_sized(addr, PoolMode::Transaction, 1).expect("pgbouncer");
+    let config = bouncer.config_via(&server.config());
+    let (other, connection) = config.connect(NoTls).await.expect("connect through pgbouncer");
+    let driver = tokio::spawn(connection);
+    other.prepare("SELECT 1").await.expect("prepare");
+    let numbered = "SELECT max(substr(name, 2)::int) FROM pg_prepared_statements \
+                    WHERE name ~ '^s[0-9]+$'";
+    let next: i32 = other.query_one(numbered, &[]).await.expect("the last name").get(0);
+    let next = usize::try_from(next).expect("a statement number") + 1;
+    let taken: String =
+        (next..next + 2_000).map(|n| format!("PREPARE s{n} AS SELECT 1;")).collect();
+    other.batch_execute(&taken).await.expect("prepare the next names");
+    // And it goes on preparing, between the store's transactions, while the store works.
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let preparing = tokio::spawn(async move {
+        let mut n = next + 2_000;
+        loop {
+            let prepare = format!("PREPARE s{n} AS SELECT {n}");
+            tokio::select! {
+                _ = &mut stopped => return (other, n - next - 2_000),
+                prepared = other.batch_execute(&prepare) => prepared.expect("prepare"),
+            }
+            n += 1;
+        }
+    });
+
+    let t = table("bouncer_txn_shared");
+    let store = within("open", via_transactions(&bouncer, &t).open()).await.unwrap();
+    for i in 0..20 {
+        store.write("p", "s", &format!("k{i}"), vec![i]).await.unwrap();
+    }
+    let batch = store.batch().put("p", "s", "b", b"b".to_vec()).remove("p", "s", "k0");
+    within("batch", batch.commit()).await.unwrap();
+    store.remove("p", "s", "k1", false).await.unwrap();
+    assert_eq!(store.read("p", "s", "k2").await.unwrap(), [2]);
+    assert_eq!(store.list("p", "s").await.unwrap().len(), 19);
+    let page = store.list_paginated("p", "s", None).await.unwrap();
+    assert!(!page.keys.is_empty());
+    assert_eq!(store.lease_info().await.unwrap().unwrap().epoch, store.fencing_token());
+    let inspector = via_transactions(&bouncer, &t).inspect().await.unwrap();
+    inspector.check_session().await.unwrap();
+    assert_eq!(inspector.read("p", "s", "b").await.unwrap(), b"b");
+    assert_eq!(inspector.list_all_keys().await.unwrap().len(), 19);
+    let mut entries = inspector.entries().await.unwrap();
+    let mut count = 0;
+    while let Some(entry) = entries.next().await {
+        entry.unwrap();
+        count += 1;
+    }
+    assert_eq!(count, 19);
+    drop(entries);
+    store.close().await.unwrap();
+    // The lease was released by the close, not left to expire: a new store takes it at once.
+    let again = within("reopen", via_transactions(&bouncer, &t).open()).await.unwrap();
+    assert_eq!(again.fencing_token(), 2);
+    again.close().await.unwrap();
+
+    stop.send(()).expect("the preparing task runs");
+    let (other, prepared) = preparing.await.expect("the preparing task");
+    assert!(prepared > 0, "the other client prepared statements meanwhile");
+    drop(other);
+    driver.await.expect("the driver task").expect("the connection ended cleanly");
+}
+
+/// In transaction mode the store leaves no prepared statement on its connections: checked on
+/// the one connection of the application's pool the store runs its statements on, directly
+/// against PostgreSQL. In session mode the same operations leave theirs, so the count sees them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_mode_leaves_no_prepared_statement() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    use pgfence::tokio_postgres::{NoTls, SimpleQueryMessage};
+    for (mode, leaves) in
+        [(pgfence::PoolMode::Transaction, false), (pgfence::PoolMode::Session, true)]
+    {
+        let pool = Pool::builder(Manager::new(common::server().config(), NoTls))
+            .max_size(1)
+            .build()
+            .expect("pool");
+        let t = table("txn_unnamed");
+        let store = PgKvStore::builder_from_pool(pool.clone())
+            .pool_mode(mode)
+            .table(&t)
+            .lease_ttl(TTL)
+            .open()
+            .await
+            .unwrap();
+        store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
+        store.batch().put("p", "s", "b", vec![1]).remove("p", "s", "k").commit().await.unwrap();
+        assert_eq!(store.read("p", "s", "b").await.unwrap(), [1]);
+        assert_eq!(store.list("p", "s").await.unwrap(), ["b"]);
+        store.list_paginated("p", "s", None).await.unwrap();
+        store.lease_info().await.unwrap();
+        // The simple protocol: this count prepares nothing itself.
+        let client = pool.get().await.expect("the store's connection");
+        let messages =
+            client.simple_query("SELECT count(*) FROM pg_prepared_statements").await.unwrap();
+        let count: i64 = messages
+            .iter()
+            .find_map(|m| match m {
+                SimpleQueryMessage::Row(row) => row.get(0).map(|n| n.parse().unwrap()),
+                _ => None,
+            })
+            .expect("a count");
+        assert_eq!(count > 0, leaves, "{mode:?}: {count} prepared statements");
+        drop(client);
+        store.close().await.unwrap();
+    }
+}
+
 /// Through a transaction pooler, a polling standby takes over within about a poll interval
 /// (1 s) of the holder's `close()`, not after the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,9 +420,9 @@ async fn takeover_after_expiry_through_pgbouncer_in_transaction_mode() {
 /// its clients.
 fn small_transaction_bouncer(pool_size: u32) -> PgBouncer {
     let addr = common::server().tcp_addr().expect("the test server's TCP address");
-    let bouncer = PgBouncer::start_with_pool_size(addr, PoolMode::Transaction, pool_size)
-        .expect("start pgbouncer");
-    assert_eq!((bouncer.mode(), bouncer.pool_size()), (PoolMode::Transaction, pool_size));
+    let bouncer =
+        PgBouncer::start_sized(addr, PoolMode::Transaction, pool_size).expect("start pgbouncer");
+    assert_eq!(bouncer.mode(), PoolMode::Transaction);
     bouncer
 }
 
@@ -257,9 +437,10 @@ async fn standbys_in_transaction_mode_open_no_listen_connection() {
     let (a, b) = (table("bouncer_txn_fleet"), table("bouncer_txn_alone"));
     // The holders connect directly: only the standbys go through the pooler.
     let holders = [common::open(&a).await, common::open(&b).await];
-    let fleet = via(&bouncer, "unused").pool_size(1).fleet().unwrap();
+    let fleet = via_transactions(&bouncer, "unused").pool_size(1).fleet().unwrap();
     let in_fleet = waiting(fleet.builder(&a).application_name("fleet standby").standby()).await;
-    let alone = waiting(via(&bouncer, &b).application_name("lone standby").standby()).await;
+    let alone =
+        waiting(via_transactions(&bouncer, &b).application_name("lone standby").standby()).await;
     // A listener connects and LISTENs within a few round trips; give it more than enough.
     tokio::time::sleep(Duration::from_secs(2)).await;
 

@@ -1,0 +1,190 @@
+//! What the store keeps in a server session, by [`PoolMode`]: prepared statements and session
+//! settings. Every statement of the store runs through here, so that one place decides.
+//!
+//! - [`PoolMode::Session`]: a connection keeps its server session. Statements are prepared
+//!   (the driver names them `s0`, `s1`, ... per process). The executor's are cached per
+//!   connection, so each is planned once per connection. Session settings are made once, with
+//!   `SET`, right after connecting.
+//! - [`PoolMode::Transaction`]: the pooler may run each transaction on another server session,
+//!   shared with other clients. A named statement could be missing there. Or it could collide
+//!   with another client's statement of the same name. So each statement is sent unnamed:
+//!   Parse, Bind, Execute and Sync in one round trip (`query_typed`). The driver then needs
+//!   the parameter types, which [`crate::sql`] keeps beside each statement. Nothing is `SET`
+//!   for a session: it would stay on a server session that other clients use next.
+
+use std::borrow::Cow;
+
+use deadpool_postgres::ClientWrapper;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Error, GenericClient, Row, RowStream};
+
+use crate::sql::Statement;
+
+/// How the server sessions behind a connection string are shared: [`Builder::pool_mode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PoolMode {
+    /// Each connection keeps one server session until it closes: a direct connection to
+    /// PostgreSQL, or a pooler in session mode (PgBouncer's `pool_mode = session`).
+    ///
+    /// Statements are prepared once per connection and their plans reused. A standby is woken
+    /// by the holder's release at once (LISTEN/NOTIFY). `open()` refuses a transaction pooler
+    /// it detects ([`crate::Error::PoolerModeUnsupported`]).
+    #[default]
+    Session,
+    /// Each transaction may run on another server session, shared with other clients:
+    /// PgBouncer's `pool_mode = transaction`.
+    ///
+    /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
+    /// planned on every execution. No session setting is made. A standby polls the lease
+    /// instead of listening for the release. See docs/deployments.md, section "Poolers".
+    ///
+    /// That standby, alone or in a [`crate::Fleet`], opens no `LISTEN` connection. It looks at
+    /// the lease every second (see [`crate::Standby`], "Waking"). A graceful handoff thus takes
+    /// up to about a second, instead of about 50 ms.
+    Transaction,
+}
+
+/// A statement's parameters, as every caller binds them.
+type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+impl PoolMode {
+    /// Runs `sql` (parameters of `types`) and returns its rows.
+    pub(crate) async fn query(
+        self,
+        client: &(impl GenericClient + Sync),
+        sql: &str,
+        types: &[Type],
+        params: Params<'_>,
+    ) -> Result<Vec<Row>, Error> {
+        match self {
+            PoolMode::Session => client.query(sql, params).await,
+            PoolMode::Transaction => client.query_typed(sql, &typed(types, params)).await,
+        }
+    }
+
+    /// [`PoolMode::query`] of a statement that returns exactly one row (an error otherwise).
+    pub(crate) async fn query_one(
+        self,
+        client: &(impl GenericClient + Sync),
+        sql: &str,
+        types: &[Type],
+        params: Params<'_>,
+    ) -> Result<Row, Error> {
+        match self {
+            PoolMode::Session => client.query_one(sql, params).await,
+            PoolMode::Transaction => client.query_typed_one(sql, &typed(types, params)).await,
+        }
+    }
+
+    /// Runs `sql` and returns the number of rows it changed.
+    pub(crate) async fn execute(
+        self,
+        client: &(impl GenericClient + Sync),
+        sql: &str,
+        types: &[Type],
+        params: Params<'_>,
+    ) -> Result<u64, Error> {
+        match self {
+            PoolMode::Session => client.execute(sql, params).await,
+            PoolMode::Transaction => client.execute_typed(sql, &typed(types, params)).await,
+        }
+    }
+
+    /// [`PoolMode::query`], with the rows read as they arrive.
+    pub(crate) async fn query_raw(
+        self,
+        client: &Client,
+        statement: &Statement,
+        params: Params<'_>,
+    ) -> Result<RowStream, Error> {
+        match self {
+            PoolMode::Session => {
+                client.query_raw(statement.sql.as_str(), params.iter().copied()).await
+            }
+            PoolMode::Transaction => {
+                client.query_typed_raw(&statement.sql, typed(statement.types, params)).await
+            }
+        }
+    }
+
+    /// Makes `statement` ready to run on the pooled connection `client`: prepared once per
+    /// connection in session mode (its plan reused), unnamed in transaction mode.
+    pub(crate) async fn prepare_cached<'a>(
+        self,
+        client: &ClientWrapper,
+        statement: &'a Statement,
+    ) -> Result<Prepared<'a>, Error> {
+        match self {
+            PoolMode::Session => client.prepare_cached(&statement.sql).await.map(Prepared::Named),
+            PoolMode::Transaction => Ok(Prepared::Unnamed(Cow::Borrowed(statement))),
+        }
+    }
+
+    /// [`PoolMode::prepare_cached`] on a connection without a statement cache: prepared anew
+    /// in session mode.
+    pub(crate) async fn prepare<'a>(
+        self,
+        client: &Client,
+        statement: &'a Statement,
+    ) -> Result<Prepared<'a>, Error> {
+        match self {
+            PoolMode::Session => client.prepare(&statement.sql).await.map(Prepared::Named),
+            PoolMode::Transaction => Ok(Prepared::Unnamed(Cow::Borrowed(statement))),
+        }
+    }
+
+    /// Makes the session `settings` (`SET` statements) on a connection, for the rest of its
+    /// session. Only in session mode: behind a transaction pooler they would stay on a server
+    /// session that other clients use next, and not on the ones this client gets.
+    pub(crate) async fn set_session(self, client: &Client, settings: &str) -> Result<(), Error> {
+        match self {
+            PoolMode::Session => client.batch_execute(settings).await,
+            PoolMode::Transaction => Ok(()),
+        }
+    }
+
+    /// Whether a connection keeps its server session (see [`PoolMode::Session`]).
+    pub(crate) fn keeps_session(self) -> bool {
+        self == PoolMode::Session
+    }
+}
+
+/// A statement ready to run on one connection ([`PoolMode::prepare`]).
+#[derive(Debug)]
+pub(crate) enum Prepared<'a> {
+    /// Prepared on the connection's session.
+    Named(tokio_postgres::Statement),
+    /// Parsed and planned anew each time it runs.
+    Unnamed(Cow<'a, Statement>),
+}
+
+impl Prepared<'_> {
+    /// The same, owning its statement: to keep it beyond the statement it was made from.
+    pub(crate) fn into_owned(self) -> Prepared<'static> {
+        match self {
+            Prepared::Named(statement) => Prepared::Named(statement),
+            Prepared::Unnamed(statement) => Prepared::Unnamed(Cow::Owned(statement.into_owned())),
+        }
+    }
+
+    /// Runs the statement on the connection it was made ready for.
+    pub(crate) async fn query(
+        &self,
+        client: &Client,
+        params: Params<'_>,
+    ) -> Result<Vec<Row>, Error> {
+        match self {
+            Prepared::Named(statement) => client.query(statement, params).await,
+            Prepared::Unnamed(statement) => {
+                client.query_typed(&statement.sql, &typed(statement.types, params)).await
+            }
+        }
+    }
+}
+
+/// Each parameter with its type, as `query_typed` takes them.
+fn typed<'a>(types: &[Type], params: Params<'a>) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
+    debug_assert_eq!(types.len(), params.len(), "one type per parameter");
+    params.iter().copied().zip(types.iter().cloned()).collect()
+}
