@@ -41,7 +41,7 @@ pub enum PoolMode {
     ///
     /// That standby, alone or in a [`crate::Fleet`], opens no `LISTEN` connection. It looks at
     /// the lease every second (see [`crate::Standby`], "Waking"). A graceful handoff thus takes
-    /// up to about a second, instead of about 50 ms.
+    /// up to about a second, half a second on average, instead of tens of milliseconds.
     Transaction,
 }
 

@@ -65,8 +65,9 @@ pub enum StandbyState {
 /// transaction pooler a `LISTEN` registers on whichever server session ran it. That session
 /// then serves other clients, and the notifications do not reliably reach the standby. So it
 /// polls instead: it looks at the lease every second, and when the holder's lease expires. A
-/// graceful handoff then takes up to about a second, instead of about 50 ms. Each look is one
-/// short transaction. Between looks its idle connection holds no server session of the pooler.
+/// graceful handoff then takes up to about a second, half a second on average, instead of
+/// tens of milliseconds. Each look is one short transaction. Between looks its idle
+/// connection holds no server session of the pooler.
 ///
 /// # Connections
 ///
