@@ -60,9 +60,11 @@ pub(crate) struct Holder {
 /// the same ([`SetupFailed::commit_unanswered`]). The cancel request goes with `tls`. It is
 /// given up after `cancel_within`: a server that stopped answering never completes one over
 /// TLS.
+///
+/// Its statements run as `mode` says: unnamed behind a transaction pooler (see
+/// `crate::session`). The transaction holds one server session there too, until it ends.
 pub(crate) async fn setup_and_acquire(
-    mode: PoolMode,
-    client: &mut tokio_postgres::Client,
+    (client, mode): (&mut tokio_postgres::Client, PoolMode),
     (tls, cancel_within): (&Tls, Duration),
     caller: &mut oneshot::Receiver<()>,
     table: &TableName,

@@ -20,7 +20,8 @@ use tokio_postgres::{Client, Error, GenericClient, Row, RowStream};
 
 use crate::sql::Statement;
 
-/// How the server sessions behind a connection string are shared: [`Builder::pool_mode`].
+/// How the server sessions behind a connection string are shared:
+/// [`Builder::pool_mode`](crate::Builder::pool_mode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum PoolMode {
@@ -36,7 +37,16 @@ pub enum PoolMode {
     /// PgBouncer's `pool_mode = transaction`.
     ///
     /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
-    /// planned on every execution. No session setting is made. A standby polls the lease
+    /// planned on every execution. No session setting is made, so:
+    ///
+    /// - `open()` checks that the connections default to read committed
+    ///   (`default_transaction_isolation`), since it cannot set that. Set it for the role or
+    ///   database if they do not.
+    /// - Renewals and releases commit synchronously. `synchronous_commit = off` is a session
+    ///   setting; see docs/design.md, section "Renewal".
+    /// - A fleet's shared renewal connection has no `lock_timeout` of 100 ms.
+    ///
+    /// `open()` does not look for a transaction pooler then. A standby polls the lease
     /// instead of listening for the release. See docs/deployments.md, section "Poolers".
     ///
     /// That standby, alone or in a [`crate::Fleet`], opens no `LISTEN` connection. It looks at

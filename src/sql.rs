@@ -64,7 +64,7 @@ pub(crate) const SETUP_IDLE_TIMEOUT_TYPES: &[Type] = &[Type::TEXT];
 pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 
 /// Run once on every connection the store opens itself, right after connecting: pool, lease
-/// renewal, a standby's LISTEN. Every later statement on it runs at read committed. That holds
+/// renewal, a standby's LISTEN. Not behind a transaction pooler: see `crate::session`. Every later statement on it runs at read committed. That holds
 /// whatever `default_transaction_isolation` the database, the role or the connection's options
 /// set.
 ///
@@ -82,12 +82,13 @@ pub(crate) const READ_COMMITTED: &str =
 /// The renewal thread's session. See `lease::connected` for the asynchronous commit. It sets
 /// read committed as in [`READ_COMMITTED`]. It does so also on a connection taken from a pool
 /// passed to `builder_from_pool`. The renewal thread keeps that connection for good, so its
-/// session is the store's own.
+/// session is the store's own. Not behind a transaction pooler, where no session is.
 pub(crate) const RENEWAL_SESSION: &str = "SET synchronous_commit = off; \
      SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// The default isolation level of a connection the store did not open itself (one of a pool
-/// passed to `builder_from_pool`), checked by `open()` (see [`READ_COMMITTED`]).
+/// The default isolation level of a connection the store cannot set to read committed, checked
+/// by `open()` (see [`READ_COMMITTED`]). That is one of a pool passed to `builder_from_pool`, or
+/// any behind a transaction pooler.
 pub(crate) const DEFAULT_ISOLATION: &str =
     "SELECT current_setting('default_transaction_isolation')";
 

@@ -1435,11 +1435,45 @@ fn doctor_detects_a_pooler_and_its_mode() {
                 "session mode: {status} {detail}"
             ),
             _ => assert!(
-                status == "fail" && detail.contains("pool_mode = session"),
+                status == "fail"
+                    && detail.contains("pool_mode = session")
+                    && detail.contains("--pool-mode transaction"),
                 "transaction mode: {status} {detail}"
             ),
         }
     }
+}
+
+/// With `--pool-mode transaction` (or `PGFENCE_POOL_MODE`) the commands work through PgBouncer in
+/// transaction mode, and `doctor` passes its pooler check.
+#[test]
+fn commands_through_a_transaction_pooler_with_pool_mode_transaction() {
+    use pgfence_testing::{PgBouncer, PoolMode};
+    let table = unique_name("cli_txn_pooler");
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let bouncer = PgBouncer::start(addr, PoolMode::Transaction).expect("start pgbouncer");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    let url =
+        format!("host=127.0.0.1 port={} user=postgres dbname={dbname}", bouncer.addr().port());
+    let mode = ["--pool-mode", "transaction"];
+    run(&url, &table, &[&["put"][..], &mode, &["n", "s", "k", "v"]].concat(), None)
+        .expect(0, "put");
+    let env = [("PGFENCE_POOL_MODE", "transaction")];
+    let got = run_env(&url, &table, &["get", "n", "s", "k"], None, &env);
+    assert_eq!(got.expect(0, "get").stdout, b"v");
+    let listed = run(&url, &table, &[&["ls"][..], &mode, &["n", "s"]].concat(), None);
+    assert_eq!(listed.expect(0, "ls").stdout(), "k\n");
+    run(&url, &table, &[&["status"][..], &mode].concat(), None).expect(0, "status");
+    let ran = run_env(&url, &table, &["doctor", "--json"], None, &env);
+    let report: Value = serde_json::from_slice(&ran.stdout).expect("one JSON object");
+    let checks = report["checks"].as_array().expect("checks");
+    let pooler = checks.iter().find(|c| c["check"] == "pooler").expect("a pooler check");
+    assert_eq!(pooler["status"], "pass", "{report}");
+    assert!(pooler["detail"].as_str().unwrap().contains("--pool-mode transaction"), "{report}");
+    // The session mode (the default) refuses the same pooler.
+    let refused = run(&url, &table, &["put", "n", "s", "k", "w"], None);
+    assert_ne!(refused.code, Some(0), "{:?}", refused.stderr);
+    assert!(refused.stderr.contains("PoolMode::Transaction"), "{:?}", refused.stderr);
 }
 
 /// How the server names a connection's missing encryption when pg_hba.conf refuses it:

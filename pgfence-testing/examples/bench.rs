@@ -6,6 +6,7 @@
 //!     [--value-size 1024] [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
 //!     [--database-url URL] [--variants unfenced,fenced,solo,naive]
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
+//!     [--pool-mode session|transaction]
 //! ```
 //!
 //! Without `--database-url` (or `DATABASE_URL`) it starts a private temporary PostgreSQL cluster
@@ -19,7 +20,10 @@
 //!
 //! - `unfenced`: `INSERT .. ON CONFLICT DO UPDATE`, one prepared statement: the baseline.
 //! - `fenced`: `PgKvStore::write`: the fenced statement, shared by the writes that queue while
-//!   `write_concurrency` statements are busy (`--write-concurrency`, default the store's).
+//!   `write_concurrency` statements are busy (`--write-concurrency`, default the store's). With
+//!   `--pool-mode transaction` the store sends it unnamed, parsed and planned on every write
+//!   (`Builder::pool_mode`): on a direct connection, the cost of running behind a transaction
+//!   pooler, without the pooler.
 //! - `solo`: the store's fenced single-key statement, one per write, never shared: what
 //!   `PgKvStore::write` did before write coalescing (raw SQL with the store's owner id).
 //! - `naive`: `BEGIN`, renew the lease with an `UPDATE`, upsert, `COMMIT`: the design the
@@ -52,7 +56,7 @@ use tokio_postgres::config::Host;
 const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--duration-secs 5] \
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
 [--variants unfenced,fenced,solo,naive] [--renew-probe-ms 50] [--sample-waits] \
-[--keys-per-writer 64] [--write-concurrency N]";
+[--keys-per-writer 64] [--write-concurrency N] [--pool-mode session|transaction]";
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -70,6 +74,8 @@ struct Args {
     keys_per_writer: usize,
     /// `--write-concurrency`: the store's `Builder::write_concurrency` (its default if absent).
     write_concurrency: Option<usize>,
+    /// `--pool-mode`: the store's `Builder::pool_mode`.
+    pool_mode: pgfence::PoolMode,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -116,6 +122,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         sample_waits: false,
         keys_per_writer: 64,
         write_concurrency: None,
+        pool_mode: pgfence::PoolMode::Session,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -161,6 +168,13 @@ fn parse_args() -> Result<Option<Args>, String> {
             }
             "--write-concurrency" => {
                 args.write_concurrency = Some(number(&flag, value(&flag)?)?.max(1) as usize)
+            }
+            "--pool-mode" => {
+                args.pool_mode = match value(&flag)?.as_str() {
+                    "session" => pgfence::PoolMode::Session,
+                    "transaction" => pgfence::PoolMode::Transaction,
+                    other => return Err(format!("--pool-mode: {other:?}")),
+                }
             }
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -299,8 +313,10 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
 async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxError> {
     let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let ttl = Duration::from_secs(30); // The store's defaults: 30 s TTL, renewal every 10 s.
-    let mut builder =
-        PgKvStore::builder_from_config(target.config.clone()).table(table).pool_size(max_writers);
+    let mut builder = PgKvStore::builder_from_config(target.config.clone())
+        .table(table)
+        .pool_size(max_writers)
+        .pool_mode(args.pool_mode);
     if let Some(statements) = args.write_concurrency {
         builder = builder.write_concurrency(statements);
     }

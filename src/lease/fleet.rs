@@ -23,6 +23,9 @@ use crate::error::{Error, Result};
 /// this instead, and is retried about a second later, as any failed renewal is. Its lease
 /// still fails closed only at its own local deadline. Normal contention on a lease row (an
 /// acquisition's update, a release) lasts a statement, well below this.
+///
+/// A session setting, so not made behind a transaction pooler (`PoolMode::Transaction`): there
+/// a renewal stuck on a lock holds up the fleet's other renewals until it ends.
 const LOCK_TIMEOUT: &str = "SET lock_timeout = '100ms'";
 
 /// The fleet's renewal thread and shared connection.

@@ -484,6 +484,10 @@ async fn release_within(
 /// against the database's row. So a successor can only fence us sooner, never share the lease.
 /// Read committed: a renewal that waited for another update of the lease row must re-read it,
 /// not fail (see `sql::READ_COMMITTED`). `extra` is more session settings (a fleet's).
+///
+/// Behind a transaction pooler ([`PoolMode::Transaction`]) the connection's session is shared,
+/// so none of this is set: renewals commit synchronously, at the default isolation that
+/// `open()` checked.
 pub(super) async fn renewal_connection(
     connector: &Connector,
     timeout: Duration,

@@ -49,8 +49,8 @@ pub(crate) struct Reuse {
     /// The pool of the attempts, with a connection left idle in it by the last one; the store
     /// takes it over. `None`: each attempt builds its own, as `open()` does.
     pub(crate) pool: Option<connect::Pool>,
-    /// Set once an attempt found no transaction pooler on the way (and, for a pool passed in,
-    /// read committed isolation). Later attempts reach the same servers through the same
+    /// Set once an attempt found no transaction pooler on the way in session mode (and read
+    /// committed isolation, for a pool passed in or in transaction mode). Later attempts reach the same servers through the same
     /// configuration, so they skip the checks: two more round trips and a connection each.
     pub(crate) checked: Arc<AtomicBool>,
 }
@@ -163,8 +163,7 @@ async fn open_here(
         }
     };
     let acquired = schema::setup_and_acquire(
-        mode,
-        &mut client,
+        (&mut client, mode),
         (&builder.tls, builder.connect_timeout),
         &mut caller,
         &table,

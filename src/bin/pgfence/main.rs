@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use pgfence::{PgKvStore, check_key};
 use serde_json::json;
 
@@ -95,6 +95,18 @@ struct Cli {
     )]
     tls_key: Option<std::path::PathBuf>,
 
+    /// How a pooler in between shares server sessions: `transaction` for PgBouncer in
+    /// transaction mode (no prepared statement or session setting is kept on the server).
+    #[arg(
+        long,
+        value_name = "MODE",
+        value_enum,
+        env = "PGFENCE_POOL_MODE",
+        default_value = "session",
+        global = true
+    )]
+    pool_mode: PoolModeArg,
+
     /// The KV table, `table` or `schema.table`; the lease lives in `<table>_lease`.
     #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
     table: String,
@@ -110,6 +122,24 @@ struct Cli {
 
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--pool-mode`: [`pgfence::PoolMode`].
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PoolModeArg {
+    /// A direct connection, or a pooler in session mode.
+    Session,
+    /// A pooler in transaction mode.
+    Transaction,
+}
+
+impl From<PoolModeArg> for pgfence::PoolMode {
+    fn from(mode: PoolModeArg) -> pgfence::PoolMode {
+        match mode {
+            PoolModeArg::Session => pgfence::PoolMode::Session,
+            PoolModeArg::Transaction => pgfence::PoolMode::Transaction,
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -371,8 +401,10 @@ async fn run(cli: Cli) -> Result<(), Exit> {
     }
     let tls = resolved.tls.client_config()?;
     // One-shot commands need few connections; `hold` uses one for writes, one for its reads.
-    let mut builder =
-        PgKvStore::builder_from_config(resolved.config.clone()).table(&cli.table).pool_size(2);
+    let mut builder = PgKvStore::builder_from_config(resolved.config.clone())
+        .table(&cli.table)
+        .pool_size(2)
+        .pool_mode(cli.pool_mode.into());
     if let Some(timeout) = resolved.connect_timeout {
         builder = builder.connect_timeout(timeout);
     }
@@ -387,6 +419,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         tls,
         table: cli.table.clone(),
         connect_timeout: resolved.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
+        pool_mode: cli.pool_mode.into(),
     };
     match &cli.command {
         Command::Status

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tokio_postgres::types::Type;
+
 use crate::exit::Exit;
 use crate::output::secs;
 
@@ -17,6 +19,9 @@ pub(crate) struct Target {
     pub(crate) tls: Option<pgfence::rustls::ClientConfig>,
     pub(crate) table: String,
     pub(crate) connect_timeout: Duration,
+    /// `--pool-mode`. The CLI's own statements are unnamed in either mode (`query_typed`):
+    /// each runs once, so nothing is lost, and none is left on a pooler's server session.
+    pub(crate) pool_mode: pgfence::PoolMode,
 }
 
 /// Why [`Target::connect`] failed.
@@ -105,7 +110,7 @@ impl Target {
         };
         let (kv, lease) = (quote_table(&self.table, ""), quote_table(&self.table, "_lease"));
         let row = client
-            .query_one(TABLES_EXIST, &[&kv, &lease])
+            .query_typed_one(TABLES_EXIST, &[(&kv, Type::TEXT), (&lease, Type::TEXT)])
             .await
             .map_err(|e| Exit::other("check the table", &e))?;
         let (has_kv, has_lease): (bool, bool) = (row.get(0), row.get(1));
