@@ -145,35 +145,6 @@ async fn conformance_through_pgbouncer_in_session_mode() {
     run.await.unwrap_or_else(|_| panic!("the conformance suite hung for {SUITE_LIMIT:?}"));
 }
 
-/// A standby through `bouncer` whose future is dropped while its attempt waits at the fence,
-/// for an expired holder's write in flight, never takes the lease later: the next store to open
-/// once the write has finished gets epoch 2.
-///
-/// The attempt's cancel request may not reach the server here. PgBouncer 1.18 drops it when
-/// its sender closes the connection at once, as tokio-postgres does. The attempt's statement
-/// then waits on at the fence. Its connection is closed though, so its transaction can never
-/// commit: it is rolled back once the fence clears.
-async fn standby_dropped_at_the_fence(bouncer: &PgBouncer, prefix: &str) {
-    let t = table(prefix);
-    let active = via_matching(bouncer, &t).open().await.unwrap();
-    let mut blocker = admin().await;
-    let (tx, write) = common::write_in_flight_on_an_expired_lease(&active, &t, &mut blocker).await;
-    let attempt = tokio::spawn(via_matching(bouncer, &t).standby().open());
-    let at_the_fence = format!("%INSERT INTO {}%", lease_table(&t));
-    common::wait_for_query_lock_wait(&at_the_fence).await;
-    attempt.abort();
-    assert!(attempt.await.unwrap_err().is_cancelled());
-
-    tx.commit().await.unwrap();
-    within("the in-flight write", write).await.unwrap().expect("the fenced write commits");
-    let next = within("open", via_matching(bouncer, &t).open()).await.expect("the lease is free");
-    assert_eq!(next.fencing_token(), 2);
-    let (owner, epoch, _) = lease_row(&admin().await, &t).await;
-    assert_eq!((owner, epoch), (next.owner_id(), 2));
-    next.close().await.unwrap();
-    drop(active);
-}
-
 /// A holder's `close()` wakes a standby through the pooler (LISTEN/NOTIFY on its own session)
 /// at once, not after the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -188,13 +159,6 @@ async fn standby_handoff_through_pgbouncer_in_session_mode() {
 async fn takeover_after_expiry_through_pgbouncer_in_session_mode() {
     let bouncer = bouncer(PoolMode::Session);
     takeover_after_expiry(&bouncer, "bouncer_crash").await;
-}
-
-/// A standby dropped at the fence through the pooler never takes the lease later.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standby_dropped_at_the_fence_through_pgbouncer_in_session_mode() {
-    let bouncer = bouncer(PoolMode::Session);
-    standby_dropped_at_the_fence(&bouncer, "bouncer_fence").await;
 }
 
 /// Behind a pooler in transaction mode a store in session mode (the default) fails at `open()`
@@ -450,13 +414,6 @@ async fn standby_handoff_through_pgbouncer_in_transaction_mode() {
 async fn takeover_after_expiry_through_pgbouncer_in_transaction_mode() {
     let bouncer = small_transaction_bouncer(3);
     takeover_after_expiry(&bouncer, "bouncer_txn_crash").await;
-}
-
-/// Through a transaction pooler, a standby dropped at the fence never takes the lease later.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standby_dropped_at_the_fence_through_pgbouncer_in_transaction_mode() {
-    let bouncer = small_transaction_bouncer(4);
-    standby_dropped_at_the_fence(&bouncer, "bouncer_txn_fence").await;
 }
 
 /// A PgBouncer in transaction mode with at most `pool_size` server sessions, shared by all
