@@ -7,7 +7,7 @@ use tokio::sync::oneshot;
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::lease::{Connector, Renewer};
-use crate::store::{Builder, FleetShare, Listener, Source};
+use crate::store::{Builder, FleetShare, Listener, PoolMode, Source};
 
 /// Many stores in one process (one per tenant, say), sharing one connection pool and one
 /// renewal thread. Made from a [`Builder`] with [`Builder::fleet`].
@@ -56,8 +56,8 @@ pub struct Fleet {
     pool: connect::Pool,
     /// `None` once closed.
     renewer: Option<Arc<Renewer>>,
-    /// The one LISTEN connection of the fleet's waiting standbys; `None` for a pool source,
-    /// whose standbys poll.
+    /// The one LISTEN connection of the fleet's waiting standbys; `None` for a pool source and
+    /// in [`PoolMode::Transaction`], whose standbys poll.
     listener: Option<Arc<Listener>>,
     /// Closed when the renewal thread has ended.
     ended: Option<oneshot::Receiver<()>>,
@@ -87,9 +87,14 @@ impl Builder {
         };
         let (ended, ended_rx) = oneshot::channel();
         let (renewer, thread) = Renewer::start(connector, self.connect_timeout, ended)?;
-        let listener = self
-            .listen_config()
-            .map(|config| Arc::new(Listener::new(config, self.tls.clone(), self.connect_timeout)));
+        // Behind a transaction pooler a LISTEN would stay on a shared server session: the
+        // standbys poll instead (see `Standby`, "Waking"), and the listener is never made.
+        let listener = match self.pool_mode {
+            PoolMode::Transaction => None,
+            PoolMode::Session => self.listen_config().map(|config| {
+                Arc::new(Listener::new(config, self.tls.clone(), self.connect_timeout))
+            }),
+        };
         Ok(Fleet {
             listener,
             template: self,
@@ -109,7 +114,8 @@ impl Fleet {
     /// usual. Every per-store option applies (TTL, local deadline, loss policy, ...). The
     /// connection options are the fleet's: its pool, TLS and connect timeout are used whatever
     /// this builder says. Its waiting standbys share one LISTEN connection, and run their
-    /// attempts on the fleet's pool.
+    /// attempts on the fleet's pool. In [`PoolMode::Transaction`] there is no LISTEN
+    /// connection: they poll (see [`crate::Standby`], "Waking").
     pub fn builder(&self, table: impl Into<String>) -> Builder {
         let mut builder = self.template.clone().table(table);
         let renewer = self.renewer.as_ref().expect("set until close(), which consumes the fleet");

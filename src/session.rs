@@ -48,6 +48,10 @@ pub enum PoolMode {
     ///
     /// `open()` does not look for a transaction pooler then. A standby polls the lease
     /// instead of listening for the release. See docs/deployments.md, section "Poolers".
+    ///
+    /// That standby, alone or in a [`crate::Fleet`], opens no `LISTEN` connection. It looks at
+    /// the lease every second (see [`crate::Standby`], "Waking"). A graceful handoff thus takes
+    /// up to about a second, half a second on average, instead of tens of milliseconds.
     Transaction,
 }
 

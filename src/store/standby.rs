@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use crate::error::{Error, Result};
 use crate::keys::TableName;
 
-use super::builder::Builder;
+use super::builder::{Builder, PoolMode};
 use super::listener::Listener;
 use super::{PgKvStore, open};
 
@@ -19,7 +19,9 @@ use super::{PgKvStore, open};
 const LOG: &str = "pgfence::standby";
 
 /// Longest a standby sleeps between two looks at the lease when nothing wakes it. It bounds the
-/// takeover delay when notifications are unavailable: LISTEN connection down, or a pool source.
+/// takeover delay when notifications are unavailable: LISTEN connection down, a pool source, or
+/// [`PoolMode::Transaction`]. Each look is one short transaction, a read of the lease row while
+/// the holder's lease is live: a second keeps a graceful handoff short at little cost.
 const MAX_POLL: Duration = Duration::from_secs(1);
 
 /// Margin added to the holder's remaining time before trying again, so the attempt lands just
@@ -58,6 +60,14 @@ pub enum StandbyState {
 /// transaction. So a graceful release wakes it at once. After a crash, it sleeps until the
 /// holder's lease expires by the database clock. Any notification wakes it early. While it
 /// waits it runs no statement: it makes one attempt when the holder's lease would expire.
+///
+/// In [`PoolMode::Transaction`] it never `LISTEN`s, alone or in a [`crate::Fleet`]. Behind a
+/// transaction pooler a `LISTEN` registers on whichever server session ran it. That session
+/// then serves other clients, and the notifications do not reliably reach the standby. So it
+/// polls instead: it looks at the lease every second, and when the holder's lease expires. A
+/// graceful handoff then takes up to about a second, half a second on average, instead of
+/// tens of milliseconds. Each look is one short transaction. Between looks its idle
+/// connection holds no server session of the pooler.
 ///
 /// # Connections
 ///
@@ -146,11 +156,16 @@ impl Standby {
         tokio::pin!(stop);
         let builder = &self.builder;
         // The listener shared with other standbys, else one of its own. None for a pool
-        // source, which has no configuration to connect with: the standby then polls.
-        let listener = builder.listener.clone().or_else(|| {
-            let config = builder.listen_config()?;
-            Some(Arc::new(Listener::new(config, builder.tls.clone(), builder.connect_timeout)))
-        });
+        // source, which has no configuration to connect with, and behind a transaction pooler,
+        // where a LISTEN stays on a server session that other clients share: the standby then
+        // polls.
+        let listener = match builder.pool_mode {
+            PoolMode::Transaction => None,
+            PoolMode::Session => builder.listener.clone().or_else(|| {
+                let config = builder.listen_config()?;
+                Some(Arc::new(Listener::new(config, builder.tls.clone(), builder.connect_timeout)))
+            }),
+        };
         let mut subscription = listener.as_ref().map(|listener| listener.subscribe(table));
         // One pool for all attempts: the connection an attempt leaves idle in it is the next
         // one's, so a handoff does not wait for a new connection.

@@ -5,15 +5,21 @@
 //! writes run through it, beside another client's prepared statements on the same server
 //! sessions. A store in session mode behind a transaction pooler is refused at `open()`, before
 //! it creates anything or could end a server session that is not its own.
+//!
+//! In transaction mode the standby handoff and the takeover after expiry run too, on a few
+//! server sessions that all clients share. The standby polls there: it never LISTENs, alone or
+//! in a fleet.
 
 use crate::common;
 
 use std::time::{Duration, Instant};
 
 use common::conformance::{Native, SUITE_LIMIT, Setup, check_contract};
-use common::{admin, lease_table, table, table_exists, within};
-use pgfence::{Error, PgKvStore, StandbyState};
+use common::{admin, lease_row, lease_table, table, table_exists, within};
+use pgfence::tokio_postgres::NoTls;
+use pgfence::{Error, LeaseState, PgKvStore, Standby, StandbyState};
 use pgfence_testing::{PgBouncer, PoolMode};
+use tokio::task::JoinHandle;
 
 /// Long enough that an acquisition soon after a release proves the release, not an expiry.
 const TTL: Duration = Duration::from_secs(30);
@@ -34,6 +40,89 @@ fn via(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
         .pool_size(4)
         .lease_ttl(TTL)
         .renew_interval(Duration::from_secs(5))
+}
+
+/// [`via`], in the store's pool mode that matches the pooler's.
+fn via_matching(bouncer: &PgBouncer, t: &str) -> pgfence::Builder {
+    match bouncer.mode() {
+        PoolMode::Session => via(bouncer, t),
+        _ => via_transactions(bouncer, t),
+    }
+}
+
+/// Starts `standby` and returns once it reports that another store holds the lease.
+async fn waiting(standby: Standby) -> JoinHandle<pgfence::Result<PgKvStore>> {
+    let mut progress = standby.progress();
+    let waiting = tokio::spawn(standby.open());
+    let reported = progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. }));
+    if within("standby waiting", reported).await.is_err() {
+        // The standby is gone, and with it the sender of its progress.
+        panic!("the standby ended instead of waiting: {:?}", waiting.await);
+    }
+    waiting
+}
+
+/// A holder of a fresh table `prefix_*` writes and `close()`s; a standby waiting through
+/// `bouncer` takes over well before the TTL and reads the write. Returns the time from the
+/// start of the release until the standby's `open()` returned.
+async fn graceful_handoff(bouncer: &PgBouncer, prefix: &str) -> Duration {
+    let t = table(prefix);
+    let active = via_matching(bouncer, &t).application_name("active").open().await.unwrap();
+    let waiting = waiting(via_matching(bouncer, &t).application_name("standby").standby()).await;
+    active.write("p", "s", "k", b"first".to_vec()).await.unwrap();
+    let released = Instant::now();
+    active.close().await.unwrap();
+    let store = within("standby acquires", waiting).await.unwrap().unwrap();
+    let took = released.elapsed();
+    println!("handoff through pgbouncer ({:?} mode): {took:?}", bouncer.mode());
+    assert!(took < TTL / 2, "woken by the release or a poll, not by the expiry: {took:?}");
+    assert_eq!(store.fencing_token(), 2);
+    assert_eq!(store.read("p", "s", "k").await.unwrap(), b"first");
+    store.write("p", "s", "k", b"second".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+    took
+}
+
+/// A holder through `bouncer` whose renewal is not due before its lease expires, as the
+/// database sees a holder that stopped renewing (paused, or cut off). Here the lease row is
+/// made to expire in 2 s, long before the holder's first renewal (19 s). A standby takes over
+/// right after that expiry, never before. The old holder's next write reaches the server and
+/// is refused there, by the fence in its statement. Epochs strictly increase.
+async fn takeover_after_expiry(bouncer: &PgBouncer, prefix: &str) {
+    let t = table(prefix);
+    let holder = via_matching(bouncer, &t)
+        .application_name("holder")
+        .renew_interval(Duration::from_secs(19))
+        .open()
+        .await
+        .unwrap();
+    holder.write("p", "s", "k", b"old".to_vec()).await.unwrap();
+    let db = admin().await;
+    let expire = format!(
+        "UPDATE {} SET expires_at = clock_timestamp() + interval '2 seconds' WHERE id = 1",
+        lease_table(&t)
+    );
+    db.execute(&expire, &[]).await.unwrap();
+    let started = Instant::now();
+    let store = within("takeover", via_matching(bouncer, &t).open_when_available()).await.unwrap();
+    let took = started.elapsed();
+    println!("takeover through pgbouncer ({:?} mode) after {took:?}", bouncer.mode());
+    assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
+    assert!(store.fencing_token() > holder.fencing_token());
+    assert_eq!((holder.fencing_token(), store.fencing_token()), (1, 2));
+    assert_eq!(*holder.lease_state().borrow(), LeaseState::Held { epoch: 1 }, "not lost locally");
+
+    let refused = holder.write("p", "s", "k", b"stale".to_vec()).await.unwrap_err();
+    assert!(refused.is_lease_lost(), "{refused:?}");
+    assert_eq!(store.read("p", "s", "k").await.unwrap(), b"old", "nothing of the stale write");
+    holder.close().await.unwrap();
+    let (owner, epoch, _) = lease_row(&db, &t).await;
+    assert_eq!((owner, epoch), (store.owner_id(), 2), "the old holder's close left it alone");
+    store.write("p", "s", "k", b"new".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+    let next = via_matching(bouncer, &t).open().await.unwrap();
+    assert_eq!(next.fencing_token(), 3);
+    next.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,47 +150,15 @@ async fn conformance_through_pgbouncer_in_session_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_handoff_through_pgbouncer_in_session_mode() {
     let bouncer = bouncer(PoolMode::Session);
-    let t = table("bouncer_handoff");
-    let active = via(&bouncer, &t).application_name("active").open().await.unwrap();
-    let standby = via(&bouncer, &t).application_name("standby").standby();
-    let mut progress = standby.progress();
-    let waiting = tokio::spawn(standby.open());
-    within("standby waiting", progress.wait_for(|s| matches!(s, StandbyState::Waiting { .. })))
-        .await
-        .unwrap();
-    active.write("p", "s", "k", b"first".to_vec()).await.unwrap();
-    let released = Instant::now();
-    active.close().await.unwrap();
-    let store = within("standby acquires", waiting).await.unwrap().unwrap();
-    let took = released.elapsed();
-    assert!(took < TTL / 2, "woken by the release, not by the expiry: {took:?}");
-    assert_eq!(store.fencing_token(), 2);
-    assert_eq!(store.read("p", "s", "k").await.unwrap(), b"first");
-    store.write("p", "s", "k", b"second".to_vec()).await.unwrap();
-    store.close().await.unwrap();
+    graceful_handoff(&bouncer, "bouncer_handoff").await;
 }
 
 /// A holder that stopped renewing is taken over through the pooler right after its lease
-/// expired, never before; its fencing token is then stale.
+/// expired, never before; its fencing token is then stale and its writes are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn takeover_after_expiry_through_pgbouncer_in_session_mode() {
     let bouncer = bouncer(PoolMode::Session);
-    let t = table("bouncer_crash");
-    via(&bouncer, &t).open().await.unwrap().close().await.unwrap();
-    // A crashed owner: a lease row that nobody renews, expiring in 2 s.
-    let sql = format!(
-        "UPDATE {} SET owner_id = gen_random_uuid(), epoch = epoch + 1,
-                expires_at = clock_timestamp() + interval '2 seconds' WHERE id = 1",
-        lease_table(&t)
-    );
-    admin().await.execute(&sql, &[]).await.unwrap();
-    let started = Instant::now();
-    let store = within("takeover", via(&bouncer, &t).open_when_available()).await.unwrap();
-    let took = started.elapsed();
-    assert!(took >= Duration::from_millis(1500), "never before the expiry: {took:?}");
-    assert_eq!(store.fencing_token(), 3);
-    store.write("p", "s", "k", b"v".to_vec()).await.unwrap();
-    store.close().await.unwrap();
+    takeover_after_expiry(&bouncer, "bouncer_crash").await;
 }
 
 /// Behind a pooler in transaction mode a store in session mode (the default) fails at `open()`
@@ -139,7 +196,6 @@ async fn transaction_mode_is_refused_at_open() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prepared_statement_taken_behind_a_transaction_pooler_names_the_mode() {
     use pgfence::deadpool_postgres::{Manager, Pool};
-    use pgfence::tokio_postgres::NoTls;
     let bouncer = bouncer(PoolMode::Transaction);
     let config = bouncer.config_via(&common::server().config());
     let (other, connection) = config.connect(NoTls).await.expect("connect through pgbouncer");
@@ -342,4 +398,88 @@ async fn transaction_mode_leaves_no_prepared_statement() {
         drop(client);
         store.close().await.unwrap();
     }
+}
+
+/// Through a transaction pooler, a polling standby takes over within about a poll interval
+/// (1 s) of the holder's `close()`, not after the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_handoff_through_pgbouncer_in_transaction_mode() {
+    let bouncer = small_transaction_bouncer(3);
+    graceful_handoff(&bouncer, "bouncer_txn_handoff").await;
+}
+
+/// Through a transaction pooler, a holder that stopped renewing is taken over right after its
+/// lease expired, never before, and its writes are refused by the fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeover_after_expiry_through_pgbouncer_in_transaction_mode() {
+    let bouncer = small_transaction_bouncer(3);
+    takeover_after_expiry(&bouncer, "bouncer_txn_crash").await;
+}
+
+/// A PgBouncer in transaction mode with at most `pool_size` server sessions, shared by all
+/// its clients.
+fn small_transaction_bouncer(pool_size: u32) -> PgBouncer {
+    let addr = common::server().tcp_addr().expect("the test server's TCP address");
+    let bouncer =
+        PgBouncer::start_sized(addr, PoolMode::Transaction, pool_size).expect("start pgbouncer");
+    assert_eq!(bouncer.mode(), PoolMode::Transaction);
+    bouncer
+}
+
+/// In transaction mode a standby never LISTENs, alone or in a fleet: the fleet makes no LISTEN
+/// connection. Checked on a pooler with one server session: every client's transactions run
+/// there, so a LISTEN through the pooler would have stayed on it. That session listens on no
+/// channel while the two standbys wait. Both still take over once their holders release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standbys_in_transaction_mode_open_no_listen_connection() {
+    let bouncer = small_transaction_bouncer(1);
+    let config = bouncer.config_via(&common::server().config());
+    let (a, b) = (table("bouncer_txn_fleet"), table("bouncer_txn_alone"));
+    // The holders connect directly: only the standbys go through the pooler.
+    let holders = [common::open(&a).await, common::open(&b).await];
+    let fleet = via_transactions(&bouncer, "unused").pool_size(1).fleet().unwrap();
+    let in_fleet = waiting(fleet.builder(&a).application_name("fleet standby").standby()).await;
+    let alone =
+        waiting(via_transactions(&bouncer, &b).application_name("lone standby").standby()).await;
+    // A listener connects and LISTENs within a few round trips; give it more than enough.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let (client, connection) = config.connect(NoTls).await.expect("connect through pgbouncer");
+    let driver = tokio::spawn(connection);
+    let (other, connection) = config.connect(NoTls).await.expect("connect through pgbouncer");
+    let other_driver = tokio::spawn(connection);
+    let pid = "SELECT pg_backend_pid()";
+    assert_eq!(
+        single_value(&client, pid).await,
+        single_value(&other, pid).await,
+        "one server session for all clients"
+    );
+    let channels = "SELECT count(*) FROM pg_listening_channels()";
+    assert_eq!(single_value(&client, channels).await, "0", "no LISTEN through the pooler");
+    drop((client, other));
+    driver.await.unwrap().unwrap();
+    other_driver.await.unwrap().unwrap();
+
+    for (holder, standby) in holders.into_iter().zip([in_fleet, alone]) {
+        holder.close().await.unwrap();
+        let store = within("standby acquires", standby).await.unwrap().unwrap();
+        assert_eq!(store.fencing_token(), 2);
+        store.close().await.unwrap();
+    }
+    fleet.close().await;
+}
+
+/// The one value of the one row that the simple query `sql` returns.
+async fn single_value(client: &pgfence::tokio_postgres::Client, sql: &str) -> String {
+    use pgfence::tokio_postgres::SimpleQueryMessage;
+    let messages = client.simple_query(sql).await.expect(sql);
+    let rows: Vec<String> = messages
+        .iter()
+        .filter_map(|m| match m {
+            SimpleQueryMessage::Row(row) => Some(row.get(0).expect("a value").to_owned()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rows.len(), 1, "{sql}: {rows:?}");
+    rows.into_iter().next().expect("one row")
 }
