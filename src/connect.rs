@@ -302,10 +302,8 @@ where
 }
 
 /// Refuses a connection through a pooler that hands server sessions out per transaction
-/// (PgBouncer's transaction or statement mode). The store relies on a session of its own. Its
-/// prepared statements live in it. A write whose outcome is unknown is settled by ending
-/// that session's server process by pid. Behind such a pooler that process may serve another
-/// client.
+/// (PgBouncer's transaction or statement mode), for a store in `PoolMode::Session`: its
+/// prepared statements live in a session of its own.
 ///
 /// Only session state can tell, and setting any would leak into the pooler's shared server
 /// sessions. So this compares server process ids, which change nothing (simple protocol: no
