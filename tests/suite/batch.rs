@@ -358,10 +358,13 @@ async fn batch_statements_are_planned_once_per_connection() {
     let manager = Manager::new(common::server().config(), pgfence::tokio_postgres::NoTls);
     let pool = Pool::builder(manager).max_size(1).build().unwrap();
     let table = common::table("batch_plans");
+    // Renewal takes its connection out of the pool at its first renewal, and the pool makes a
+    // new one: not due before the batches below are done, however slow the machine, so that
+    // they all run on one connection.
     let store = PgKvStore::builder_from_pool(pool.clone())
         .table(&table)
-        .lease_ttl(std::time::Duration::from_secs(15))
-        .renew_interval(std::time::Duration::from_secs(3))
+        .lease_ttl(std::time::Duration::from_secs(300))
+        .renew_interval(std::time::Duration::from_secs(100))
         .open()
         .await
         .unwrap();
