@@ -186,8 +186,8 @@ impl Drop for AbortOnDrop {
 }
 
 /// The pool's hook on every connection it creates: [`sql::READ_COMMITTED`], given at most
-/// `timeout`, unless `mode` shares sessions ([`PoolMode::set_session`]). A server that stopped answering would otherwise hold it up for good. `timeout`
-/// is the connect timeout. tokio-postgres applies that only to the TCP connect, and the pool
+/// `timeout`, unless `mode` shares sessions ([`PoolMode::set_session`]). A server that stopped
+/// answering would otherwise hold it up for good. `timeout` is the connect timeout. tokio-postgres applies that only to the TCP connect, and the pool
 /// only to creating the connection, not to its hooks. Session state of a pooled connection,
 /// but of a pool the store built and nobody else uses, whose recycling (`Fast`) resets
 /// nothing. The fence does not rest on it. Under a stricter level a mutation still commits

@@ -351,8 +351,8 @@ fn held(table: &TableName, info: LeaseInfo) -> Error {
 
 /// Creates the database named in `config` when it does not exist (connecting to the
 /// `postgres` database with the same credentials and TLS). A concurrent creation is not an
-/// error. Making that connection (its startup and, in `mode`, its read-committed `SET`) is given up after
-/// `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed: it may
+/// error. Making that connection (its startup and, in `mode`, its read-committed `SET`) is
+/// given up after `connect_timeout`, as the pool's are. The `CREATE DATABASE` itself is not timed: it may
 /// legitimately take long, for a template copy or a checkpoint. So a server that stops
 /// answering right then holds up a plain `open()` until it answers. The caller's stop ends
 /// that wait.

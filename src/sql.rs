@@ -9,7 +9,7 @@
 //!
 //! Each statement with parameters has a `*_TYPES` constant beside it: the types of `$1`, `$2`,
 //! ... in order. Behind a transaction pooler a statement runs unnamed, and the driver must then
-//! send those types itself (see `crate::session`).
+//! send those types itself (see `PoolMode::Transaction`, in src/session.rs).
 
 use tokio_postgres::types::Type;
 
@@ -64,9 +64,9 @@ pub(crate) const SETUP_IDLE_TIMEOUT_TYPES: &[Type] = &[Type::TEXT];
 pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 
 /// Run once on every connection the store opens itself, right after connecting: pool, lease
-/// renewal, a standby's LISTEN. Not behind a transaction pooler: see `crate::session`. Every later statement on it runs at read committed. That holds
-/// whatever `default_transaction_isolation` the database, the role or the connection's options
-/// set.
+/// renewal, a standby's LISTEN. Not behind a transaction pooler (`PoolMode::Transaction`).
+/// Every later statement on it runs at read committed. That holds whatever
+/// `default_transaction_isolation` the database, the role or the connection's options set.
 ///
 /// Each fenced mutation and renewal is a transaction of one statement. Only read committed
 /// re-reads the lease row when it was changed after the statement's snapshot. Under
