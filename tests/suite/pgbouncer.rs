@@ -469,6 +469,44 @@ async fn standbys_in_transaction_mode_open_no_listen_connection() {
     fleet.close().await;
 }
 
+/// A fleet in transaction mode holds its leases through a pooler of two server sessions: its
+/// one renewal connection sends every lease's renewal (pipelined, each its own transaction),
+/// and each store keeps renewing and writing over several renewal intervals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_renews_every_lease_through_a_transaction_pooler() {
+    const STORES: usize = 5;
+    let bouncer = small_transaction_bouncer(2);
+    let fleet = via_transactions(&bouncer, "unused")
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(3))
+        .renew_interval(Duration::from_millis(500))
+        .fleet()
+        .unwrap();
+    let tables: Vec<String> =
+        (0..STORES).map(|i| table(&format!("bouncer_txn_renew{i}"))).collect();
+    let mut stores = Vec::new();
+    for t in &tables {
+        stores.push(within("open in the fleet", fleet.builder(t).open()).await.unwrap());
+    }
+    let renewed = |store: &PgKvStore| store.stats().renewals.ok;
+    let before: Vec<u64> = stores.iter().map(renewed).collect();
+    for round in 0..8u8 {
+        for store in &stores {
+            store.write("r", "s", "k", vec![round]).await.expect("still the holder");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await; // 4 s in all: beyond the TTL.
+    }
+    for (store, before) in stores.iter().zip(before) {
+        assert!(matches!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 }));
+        assert!(renewed(store) >= before + 3, "renewed through the pooler: {}", renewed(store));
+        assert_eq!(store.read("r", "s", "k").await.unwrap(), vec![7]);
+    }
+    for store in stores {
+        store.close().await.unwrap();
+    }
+    fleet.close().await;
+}
+
 /// The one value of the one row that the simple query `sql` returns.
 async fn single_value(client: &pgfence::tokio_postgres::Client, sql: &str) -> String {
     use pgfence::tokio_postgres::SimpleQueryMessage;
