@@ -15,6 +15,8 @@
 //! - [`ReplicatedCluster`] is a primary with a streaming replica, synchronous or asynchronous,
 //!   for tests that crash the primary and promote the replica.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
+//!   Its [`Gate`]s hold one chosen statement, or its answer, until the test releases it: to
+//!   run two statements in the order a race needs, without guessing at timings.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
 //!
@@ -66,12 +68,14 @@ use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
 
 mod cluster;
+mod gate;
 mod pgbouncer;
 mod proxy;
 mod replica;
 mod server;
 
 pub use cluster::TestCluster;
+pub use gate::{Gate, GateMatch, Held, Hold};
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use proxy::Proxy;
 pub use replica::{ReplicatedCluster, Replication};

@@ -14,6 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::gate::{ConnectionGates, FrontendParser, Gate, GateInner, GateMatch, Hold};
+
 /// A fault-injecting TCP proxy between clients and a server, on loopback (or on the address
 /// given to [`Proxy::start_on`]).
 ///
@@ -23,7 +25,8 @@ use tokio::task::AbortHandle;
 /// corrupt what the server sends on one of them ([`Proxy::corrupt_next_reply`]), or hold back
 /// the data of one connection ([`Proxy::stall`]), of all ([`Proxy::hang`]), what the clients
 /// send ([`Proxy::hang_requests`]), or what new sessions send after their startup
-/// ([`Proxy::hang_after_client_chunks`]).
+/// ([`Proxy::hang_after_client_chunks`]). It can also hold one chosen statement, or its
+/// answer, until the test releases it ([`Proxy::gate`]).
 ///
 /// The accept loop and one task per connection run on the tokio runtime that called
 /// [`Proxy::start`] (multi-thread or current-thread; it must have time enabled, as
@@ -60,6 +63,8 @@ struct ProxyShared {
     /// How many chunks a new connection's client may send before the rest is held back
     /// ([`Proxy::hang_after_client_chunks`]); `u32::MAX` for no limit.
     client_chunks: AtomicU32,
+    /// Gates armed and not yet holding ([`Proxy::gate`]).
+    gates: Mutex<Vec<Arc<GateInner>>>,
     connections: Mutex<Connections>,
     timer: DelayTimer,
 }
@@ -106,6 +111,7 @@ impl Proxy {
             requests_hung: AtomicBool::new(false),
             held: AtomicU64::new(0),
             client_chunks: AtomicU32::new(u32::MAX),
+            gates: Mutex::new(Vec::new()),
             connections: Mutex::new(Connections::default()),
             timer,
         });
@@ -197,6 +203,29 @@ impl Proxy {
     /// after it: a session that hangs right after it began.
     pub fn hang_after_client_chunks(&self, n: u32) {
         self.shared.client_chunks.store(n, Ordering::SeqCst);
+    }
+
+    /// Arms a [`Gate`]: the first statement that runs from now on, on any connection, whose SQL
+    /// `matching` accepts is held (`hold`) until the gate is released, cut or dropped.
+    ///
+    /// The proxy reads each connection's frontend protocol to tell which statement a message
+    /// runs: a simple query, or the `Bind` of a statement prepared on that connection (its SQL
+    /// known from its `Parse`). See [`Gate`] for what is held, and its limits (TLS).
+    ///
+    /// ```no_run
+    /// # async fn example(proxy: &pgfence_testing::Proxy) {
+    /// use pgfence_testing::{GateMatch, Hold};
+    ///
+    /// let gate = proxy.gate(GateMatch::sql_contains("SET expires_at"), Hold::Statement);
+    /// let held = gate.held().await; // A renewal is on its way, not at the server yet.
+    /// println!("held on port {}: {}", held.client_port, held.sql);
+    /// gate.release(); // Or `gate.cut()`, to break that connection only.
+    /// # }
+    /// ```
+    pub fn gate(&self, matching: GateMatch, hold: Hold) -> Gate {
+        let (gate, inner) = Gate::new(matching, hold);
+        self.shared.gates.lock().unwrap_or_else(PoisonError::into_inner).push(inner);
+        gate
     }
 
     /// The number of connections currently being forwarded.
@@ -346,15 +375,23 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
     let server = TcpStream::connect(upstream).await?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
-    let port = u32::from(server.local_addr()?.port());
+    let local_port = server.local_addr()?.port();
+    let port = u32::from(local_port);
     let client_chunks = shared.client_chunks.load(Ordering::SeqCst);
+    let gates = ConnectionGates::new(local_port);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    tokio::try_join!(
-        pump(client_read, server_write, shared, port, false, client_chunks),
-        pump(server_read, client_write, shared, port, true, u32::MAX),
-    )?;
-    Ok(())
+    let pumps = async {
+        tokio::try_join!(
+            pump(client_read, server_write, shared, &gates, port, false, client_chunks),
+            pump(server_read, client_write, shared, &gates, port, true, u32::MAX),
+        )
+    };
+    // A gate's cut ends this connection only, as `cut_all` does: both sockets are dropped.
+    tokio::select! {
+        result = pumps => result.map(drop),
+        () = gates.cut.notified() => Ok(()),
+    }
 }
 
 /// One direction of a connection. The reader stamps each chunk with its due time and queues
@@ -364,18 +401,24 @@ async fn forward(client: TcpStream, upstream: SocketAddr, shared: &ProxyShared) 
 /// [`Proxy::corrupt_next_reply`] and [`Proxy::stall`]); `from_server`: the direction;
 /// `passing`: how many chunks pass before the rest is held back
 /// ([`Proxy::hang_after_client_chunks`]; `u32::MAX`: all).
+///
+/// What the client sends is read as the protocol it is ([`FrontendParser`]), and split at a
+/// statement that a gate holds ([`Proxy::gate`]). Each part is queued with the gates it waits
+/// for, so the writer stops there, and everything queued after it waits too.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &ProxyShared,
+    gates: &ConnectionGates,
     port: u32,
     from_server: bool,
     mut passing: u32,
 ) -> io::Result<()> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, Vec<Arc<GateInner>>)>();
     let read = async move {
         // Owned by this block, so end-of-file drops it and the writer sees the queue end.
         let tx = tx;
+        let mut parser = FrontendParser::default();
         let mut buf = vec![0u8; 16 * 1024];
         loop {
             let n = from.read(&mut buf).await?;
@@ -406,14 +449,26 @@ async fn pump(
                     chunk[n - 1] ^= 1;
                 }
             }
-            if tx.send((due, chunk)).is_err() {
-                // The writer has failed; `try_join!` reports its error.
-                return Ok(());
+            let segments = if from_server {
+                vec![(chunk, gates.server_chunk())]
+            } else {
+                gates.client_chunk(&mut parser, &shared.gates, chunk)
+            };
+            for (segment, holds) in segments {
+                if tx.send((due, segment, holds)).is_err() {
+                    // The writer has failed; `try_join!` reports its error.
+                    return Ok(());
+                }
             }
         }
     };
     let write = async move {
-        while let Some((due, chunk)) = rx.recv().await {
+        while let Some((due, chunk, holds)) = rx.recv().await {
+            for gate in &holds {
+                if !gate.opened().await {
+                    return Err(io::Error::other("connection cut at a gate"));
+                }
+            }
             shared.timer.sleep_until(due).await;
             to.write_all(&chunk).await?;
         }
