@@ -26,6 +26,7 @@ mod harness;
 mod hazards;
 mod hung_server;
 mod input;
+mod interleavings;
 mod ldk;
 mod ldk_0_2;
 mod ldk_channels;

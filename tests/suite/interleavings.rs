@@ -1,0 +1,247 @@
+//! Races between the store's own statements, run in a chosen order by the proxy's statement
+//! gates (`pgfence_testing::Gate`): a renewal or a release in transit while the store changes
+//! its owner id, and the store's own writes starving that change.
+//!
+//! The store changes its owner id in the lease row to fence off a write whose connection broke
+//! (`sql::CHANGE_OWNER`). Any statement that carries the old ids and is still on its way then
+//! finds a row it does not recognise. Each test holds such a statement at the proxy, lets the
+//! change commit, and then lets the statement go on. Timeouts here only guard against hangs.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{HANG_GUARD, admin, builder, lease_row, table, within};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore};
+use pgfence_testing::{Gate, GateMatch, Hold, Proxy, TestServer};
+use tokio::task::JoinHandle;
+
+/// A store on a fresh table, through a proxy of its own, with `k` = `first`.
+async fn proxied_store(
+    prefix: &str,
+    configure: impl FnOnce(pgfence::Builder) -> pgfence::Builder,
+) -> (String, Proxy, PgKvStore) {
+    let server = TestServer::shared().unwrap();
+    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
+    let t = table(prefix);
+    let builder = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_size(4)
+        .lease_ttl(Duration::from_secs(30));
+    let store = configure(builder).open().await.unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    (t, proxy, store)
+}
+
+/// The store's fenced writes to `table` (`sql::WRITE`, and `BATCH_PUT` for coalesced ones).
+fn writes_to(table: &str) -> GateMatch {
+    GateMatch::sql_contains(format!("INSERT INTO \"{table}\""))
+}
+
+/// The store's renewal of the lease of `table` (`sql::RENEW`): the only statement that sets
+/// `expires_at` to a new TTL from now with a single space before `=`.
+fn renewal_of(table: &str) -> GateMatch {
+    let lease = format!("\"{table}_lease\"");
+    GateMatch::sql_where("the renewal", move |sql| {
+        sql.contains(&lease) && sql.contains("SET expires_at = clock_timestamp() + $2")
+    })
+}
+
+/// The store's release (`sql::RELEASE`): the only statement that notifies.
+fn release_of(table: &str) -> GateMatch {
+    let lease = format!("\"{table}_lease\"");
+    GateMatch::sql_where("the release", move |sql| {
+        sql.contains(&lease) && sql.contains("pg_notify")
+    })
+}
+
+/// Writes `value` to `key` and holds its answer at the proxy once the write has committed.
+/// Its caller knows nothing yet. Cutting the returned gate breaks the write's connection: its
+/// outcome is unknown, and the store fences it off by changing its owner id.
+async fn write_committed_unanswered(
+    proxy: &Proxy,
+    store: &PgKvStore,
+    table: &str,
+    key: &str,
+    value: &[u8],
+) -> (Gate, JoinHandle<pgfence::Result<()>>) {
+    let gate = proxy.gate(writes_to(table), Hold::Answer);
+    let write = tokio::spawn(store.write("r", "s", key, value.to_vec()));
+    within("the write held", gate.held()).await;
+    let sql = format!("SELECT 1 FROM \"{table}\" WHERE key = $1 AND value = $2");
+    common::wait_for_row("the write committed", &sql, &[&key, &value]).await;
+    (gate, write)
+}
+
+/// Waits until the lease row no longer holds `owner`: the store's change of its id committed.
+async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
+    let sql = format!("SELECT 1 FROM \"{table}_lease\" WHERE owner_id <> $1");
+    common::wait_for_row("the owner id change committed", &sql, &[&owner]).await
+}
+
+/// Item 1 of issue 27. A renewal carries the store's owner ids as they were when it was sent.
+/// Here it is held on its way while the store changes its id to fence off a broken write.
+/// Then it reaches the server, whose row holds an id it did not carry. That is the store's own
+/// change, not a takeover: the lease stays held and later writes succeed.
+///
+/// Its renewal interval is long enough for the race to run within one renewal attempt (an
+/// attempt gives up after one interval, and a later one carries the new id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
+    let (t, proxy, store) =
+        proxied_store("renewrace", |b| b.renew_interval(Duration::from_secs(4))).await;
+    let renewal = proxy.gate(renewal_of(&t), Hold::Statement);
+    let owner = store.owner_id();
+    let (write_gate, write) = write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
+    within("the first renewal held", renewal.held()).await; // Sent with `owner` only.
+    assert!(write_gate.cut());
+    wait_for_owner_change(&t, owner).await;
+    renewal.release();
+
+    within("the renewal answered", async {
+        let held = || matches!(*store.lease_state().borrow(), LeaseState::Held { .. });
+        while store.stats().renewals.ok == 0 && held() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let state = store.lease_state().borrow().clone();
+    assert_eq!(state, LeaseState::Held { epoch: 1 }, "the store's own id change is no takeover");
+    within("the broken write", write).await.unwrap().expect("retried after the fence");
+    within("a later write", store.write("r", "s", "k2", b"v2".to_vec()))
+        .await
+        .expect("later writes succeed");
+    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
+    assert_eq!(row_owner, store.owner_id());
+    assert!(expires_in > 20_000, "renewed for a whole TTL: {expires_in} ms left");
+    store.close().await.unwrap();
+}
+
+/// Item 2 of issue 27. `close()` releases by owner id, with the ids it had when the release
+/// was sent. Here the release is held on its way while the store changes its id to fence off
+/// a broken write. Then it reaches the server. The row holds the store's new id, and must be
+/// released all the same, so that a new store opens at once.
+///
+/// `close()` gives up waiting for the unanswered write after `drop_timeout` and releases. The
+/// same bounds the release, so the race runs within it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_racing_the_stores_own_id_change_releases_the_lease() {
+    let (t, proxy, store) = proxied_store("releaserace", |b| {
+        b.renew_interval(Duration::from_secs(10)).drop_timeout(Duration::from_secs(3))
+    })
+    .await;
+    let owner = store.owner_id();
+    let (write_gate, write) = write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
+    let release = proxy.gate(release_of(&t), Hold::Statement);
+    let closing = tokio::spawn({
+        let store = store.clone();
+        async move { store.close().await }
+    });
+    within("the release held", release.held()).await; // Sent with `owner` only.
+    assert!(write_gate.cut());
+    wait_for_owner_change(&t, owner).await;
+    release.release();
+
+    let closed = within("close", closing).await.unwrap();
+    // `Timeout`: close() released while the write was still running, as it says.
+    assert!(matches!(closed, Ok(()) | Err(Error::Timeout { .. })), "close: {closed:?}");
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Released { .. }));
+    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
+    assert!(
+        expires_in <= 0,
+        "close() released the row, held by the store's new id {row_owner}: it expires in \
+         {expires_in} ms"
+    );
+    let next = within("a new store opens", builder(&t).open()).await.expect("opens at once");
+    assert_eq!(next.fencing_token(), 2);
+    let write = within("the broken write", write).await.unwrap();
+    assert!(
+        matches!(
+            write,
+            Ok(()) | Err(Error::LeaseLost { reason: LossReason::WriteOutcomeUnknown, .. })
+        ),
+        "committed (its retry before the release) or unknown, never `Closed`: {write:?}"
+    );
+    next.close().await.unwrap();
+}
+
+/// Makes every insert into `table` of a value starting with `slow` sleep inside its statement,
+/// after the statement took the lease row FOR KEY SHARE (a BEFORE INSERT trigger runs once
+/// the insert has a row to insert, read from the locked lease row). Key `k` sleeps 2 s, the
+/// others 0.9 s.
+async fn slow_inserts(table: &str) {
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION \"{table}_slow\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF substring(NEW.value FROM 1 FOR 4) = 'slow'::bytea THEN
+                     PERFORM pg_sleep(CASE WHEN NEW.key = 'k' THEN 2 ELSE 0.9 END);
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER slow BEFORE INSERT ON \"{table}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{table}_slow\"();"
+        ))
+        .await
+        .unwrap();
+}
+
+/// Waits until `n` statements on `table` sleep in the trigger of [`slow_inserts`], one of them
+/// on the session at `port`.
+async fn wait_for_sleepers(table: &str, n: i64, port: u16) {
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE $1 \
+               HAVING count(*) >= $2 AND bool_or(client_port = $3)";
+    let pattern = format!("%INSERT INTO \"{table}\"%");
+    common::wait_for_row("slow statements running", sql, &[&pattern, &n, &i32::from(port)]).await
+}
+
+/// Item 3 of issue 27. The store's change of owner id needs the lease row exclusively. Its own
+/// writes take the row FOR KEY SHARE, and PostgreSQL grants them that while the change waits.
+/// Writes that overlap without a gap would starve the change for good.
+///
+/// Here a write starts every 0.3 s, and each holds the row for 0.9 s (three overlap, so a late
+/// start on a busy machine leaves no gap). The write of `k` breaks while it still runs on the
+/// server. The store must fence it off all the same: no fail-closed, the broken write's retry
+/// succeeds, and the later call of `k` stands. `retry_for` (the TTL, 6 s) bounds how long the
+/// store may try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owner_change_is_not_starved_by_the_stores_own_writes() {
+    let (t, proxy, store) =
+        proxied_store("starved", |b| b.pool_size(8).lease_ttl(Duration::from_secs(6))).await;
+    let owner = store.owner_id();
+    slow_inserts(&t).await;
+
+    let gate = proxy.gate(writes_to(&t), Hold::Answer);
+    let broken = tokio::spawn(store.write("r", "s", "k", b"slow k".to_vec()));
+    let port = within("the write of k held", gate.held()).await.client_port;
+    let spawn_write =
+        |i: usize| tokio::spawn(store.write("bg", "s", &format!("b{i}"), b"slow".into()));
+    let mut others = vec![spawn_write(0)];
+    wait_for_sleepers(&t, 2, port).await; // k, and another write beside it.
+    assert!(gate.cut()); // k sleeps on in its server session.
+    let later = tokio::spawn(store.write("r", "s", "k", b"later".to_vec()));
+
+    let mut every = tokio::time::interval(Duration::from_millis(300));
+    let mut broken = std::pin::pin!(broken);
+    let outcome = tokio::time::timeout(HANG_GUARD, async {
+        loop {
+            tokio::select! {
+                outcome = &mut broken => break outcome.unwrap(),
+                _ = every.tick() => others.push(spawn_write(others.len())),
+            }
+        }
+    })
+    .await
+    .expect("the broken write hung");
+    let n = others.len();
+    assert!(outcome.is_ok(), "the broken write's retry succeeds ({n} writes started): {outcome:?}");
+    for (i, other) in others.into_iter().enumerate() {
+        within("another write", other).await.unwrap().unwrap_or_else(|e| panic!("b{i}: {e:?}"));
+    }
+    within("the later call", later).await.unwrap().expect("the later call of k succeeds");
+    assert_eq!(store.read("r", "s", "k").await.unwrap(), b"later", "the later call stands");
+    assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
+    assert_ne!(store.owner_id(), owner, "the broken write was fenced off by a new id");
+    store.close().await.unwrap();
+}
