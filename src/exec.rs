@@ -253,7 +253,12 @@ impl Executor {
                         pending = Some(OutcomePending { lease: &self.lease });
                     }
                     all.extend_from_slice(params);
-                    statement.query(&client, &all).await.map_err(Error::db(operation))
+                    let rows = if mutation && !self.pool.own_sessions() {
+                        statement.query_read_committed(&client, &all).await
+                    } else {
+                        statement.query(&client, &all).await
+                    };
+                    rows.map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.

@@ -582,11 +582,14 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Resu
     let ttl_ms = config.ttl.as_millis() as i64;
     loop {
         let ids = lease.owner_ids();
-        let rows = session
-            .renew
-            .query(session.conn.client(), &[&ids, &ttl_ms])
-            .await
-            .map_err(Error::db("renew lease"))?;
+        let (client, params): (_, [&(dyn ToSql + Sync); 2]) =
+            (session.conn.client(), [&ids, &ttl_ms]);
+        // Behind a transaction pooler the session's isolation may be another client's.
+        let rows = match config.connector.mode().keeps_session() {
+            true => session.renew.query(client, &params).await,
+            false => session.renew.query_read_committed(client, &params).await,
+        };
+        let rows = rows.map_err(Error::db("renew lease"))?;
         if !rows.is_empty() {
             return Ok(Renewal::Extended);
         }
