@@ -116,6 +116,9 @@ pub(crate) struct Pool {
     role: Option<Arc<str>>,
     /// How the servers behind it share their sessions: how statements run on it.
     mode: PoolMode,
+    /// Whether each connection's server session is the store's own, set to read committed when
+    /// it connected: a pool the store built, in session mode.
+    own_sessions: bool,
 }
 
 impl Pool {
@@ -130,7 +133,15 @@ impl Pool {
             // deadpool-postgres keeps its configuration private.
             None => ("the server of the application's pool".into(), None),
         };
-        Pool { pool, servers, role, mode }
+        let own_sessions = config.is_some() && mode.keeps_session();
+        Pool { pool, servers, role, mode, own_sessions }
+    }
+
+    /// Whether the pool's sessions are the store's own, set to read committed
+    /// ([`sql::READ_COMMITTED`]). Elsewhere a fenced mutation pins its isolation itself
+    /// ([`sql::BEGIN_READ_COMMITTED`]).
+    pub(crate) fn own_sessions(&self) -> bool {
+        self.own_sessions
     }
 
     /// A connection of the pool, for `operation`.

@@ -39,7 +39,8 @@ pub(crate) struct Executor {
     /// How long an operation retries a broken connection or an unavailable server.
     pub(crate) retry_for: Duration,
     /// Held while the store changes its owner id to fence off a statement of its own
-    /// ([`Executor::fence_own`]), so one change at a time, and a fence check waits for it.
+    /// ([`Executor::fence_own`]): one change at a time, a fence check waits for it, and no
+    /// mutation is sent meanwhile.
     pub(crate) fencing: tokio::sync::Mutex<()>,
 }
 
@@ -213,12 +214,27 @@ impl Executor {
         let mut backoff = Duration::from_millis(50);
         loop {
             self.lease.check()?;
-            let (owner, generation) = self.lease.owner();
+            // The generation of the owner id a mutation sent, set right before it is sent.
+            let mut sent: Option<u32> = None;
             let mut pending: Option<OutcomePending<'_>> = None;
             let attempt = async {
-                let client =
-                    self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
-                let client = Checkout(Some(client));
+                let client = loop {
+                    // A mutation sends nothing while the store fences off a statement of its own.
+                    // Its FOR KEY SHARE lock would be granted ahead of the fence's waiting FOR
+                    // UPDATE, and overlapping writes could keep the fence waiting for good.
+                    if mutation {
+                        self.fence_finished().await;
+                    }
+                    let client =
+                        self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
+                    let client = Checkout(Some(client));
+                    if !mutation || !self.fence_pending() {
+                        break client;
+                    }
+                    // A fence began while this waited for a connection: the fence may need
+                    // this very connection, so hand it back and wait.
+                    client.answered();
+                };
                 let statements = async {
                     let statement = self
                         .pool
@@ -226,13 +242,23 @@ impl Executor {
                         .prepare_cached(&client, sql)
                         .await
                         .map_err(Error::db(operation))?;
+                    // Read after every wait, so a fence that began meanwhile is over and its
+                    // id is the one sent. Only a fence that begins from here on still finds
+                    // this statement in flight: at most one statement per pooled connection.
+                    let (owner, generation) = self.lease.owner();
                     let mut all: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(params.len() + 1);
                     if mutation {
                         all.push(&owner);
+                        sent = Some(generation);
                         pending = Some(OutcomePending { lease: &self.lease });
                     }
                     all.extend_from_slice(params);
-                    statement.query(&client, &all).await.map_err(Error::db(operation))
+                    let rows = if mutation && !self.pool.own_sessions() {
+                        statement.query_read_committed(&client, &all).await
+                    } else {
+                        statement.query(&client, &all).await
+                    };
+                    rows.map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -264,6 +290,7 @@ impl Executor {
             };
             let fenced = match &result {
                 Err(e) if e.is_retryable() && pending.is_some() => {
+                    let generation = sent.expect("set when the statement was sent");
                     // Armed once, by the first attempt that broke, and built lazily. A guard
                     // built for a later one and dropped, armed, would fail the store closed at
                     // once, and abort the process under `Abort`. The retries could not go on.
@@ -282,6 +309,7 @@ impl Executor {
                 // A fenced statement answers whether the lease was held; if not, it wrote
                 // nothing. The store's own change of owner id may be why: then it goes again.
                 Ok(rows) if mutation && !rows.first().is_some_and(|row| row.get::<_, bool>(0)) => {
+                    let generation = sent.expect("set when the statement was sent");
                     if !self.owner_changed_since(generation).await {
                         return Err(self.lease.fail(LossReason::Fenced));
                     }
@@ -317,6 +345,17 @@ impl Executor {
         }
     }
 
+    /// Waits until no fence of the store's own is under way ([`Executor::fence_own`]).
+    async fn fence_finished(&self) {
+        drop(self.fencing.lock().await);
+    }
+
+    /// Whether a fence of the store's own is under way now. (Its lock is also held for a
+    /// moment by [`Executor::owner_changed_since`]: a caller then only waits needlessly.)
+    fn fence_pending(&self) -> bool {
+        self.fencing.try_lock().is_err()
+    }
+
     /// Whether the store changed its owner id since `generation`, waiting for a change under
     /// way to be decided first.
     async fn owner_changed_since(&self, generation: u32) -> bool {
@@ -332,8 +371,12 @@ impl Executor {
     /// again.
     ///
     /// It waits for the store's statements that hold the lease row, the one that broke among
-    /// them if it is still running. Meanwhile the others go on; a write that finds the new id
-    /// in the row is sent again ([`Executor::owner_changed_since`]).
+    /// them if it is still running. PostgreSQL grants a new FOR KEY SHARE lock while a FOR
+    /// UPDATE waits for the current holders. So meanwhile the store sends no new mutation
+    /// ([`Executor::fence_finished`]): overlapping writes could otherwise starve the change.
+    /// It then waits for at most the statements already in flight, one per pooled connection.
+    /// A write sent before the change that finds the new id in the row is sent again
+    /// ([`Executor::owner_changed_since`]).
     async fn fence_own(&self, generation: u32) -> Result<()> {
         let operation = "fence own statements";
         let _fencing = self.fencing.lock().await;

@@ -18,6 +18,23 @@ pub const MAX_BATCH_BYTES: usize = 512 << 20;
 /// derived name is `<table>_schema_version` (15 more bytes), so 48 keeps every name exact.
 pub(crate) const MAX_TABLE_NAME_LEN: usize = 48;
 
+/// The endings of the names a store derives from its table name `t`, in the table's schema:
+/// its tables `t_lease` and `t_schema_version`, the explicitly named index `t_created_idx`,
+/// and the names PostgreSQL gives the keys and the identity sequence (`t_pkey`,
+/// `t_lease_owner_id_key`, `t_created_seq_seq`). Tables, indexes and sequences share one
+/// namespace. A table name with one of these endings would be a name another store derives:
+/// `t_lease` is store `t`'s lease table. Refusing them keeps every two stores apart, since
+/// each longer derived ending that ends in a shorter one (`_lease_pkey`) starts with one of
+/// these (`_lease`).
+const DERIVED_ENDINGS: &[&str] = &[
+    "_lease",
+    "_schema_version",
+    "_created_idx",
+    "_pkey",
+    "_lease_owner_id_key",
+    "_created_seq_seq",
+];
+
 fn is_key_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_' || c == '-'
 }
@@ -93,6 +110,15 @@ impl TableName {
                 return Err(bad(format!("{input:?}: a part is longer than 48 characters")));
             }
         }
+        let derived = |e: &&&str| name.len() > e.len() && name.ends_with(**e);
+        if let Some(ending) = DERIVED_ENDINGS.iter().find(derived) {
+            let other = &name[..name.len() - ending.len()];
+            return Err(bad(format!(
+                "{input:?} ends in {ending:?}: the store of table {other:?} names a table, index \
+                 or sequence {name:?} in that schema. Choose a name that does not end in any of \
+                 {DERIVED_ENDINGS:?}"
+            )));
+        }
         Ok(TableName { schema: schema.map(str::to_owned), name: name.to_owned() })
     }
 
@@ -144,6 +170,22 @@ mod tests {
             assert!(TableName::parse(bad).is_err(), "{bad:?}");
         }
         assert!(TableName::parse(&"a".repeat(48)).is_ok());
+        // Names another store derives: refused, naming that store's table.
+        for (bad, other) in [
+            ("t_lease", "\"t\""),
+            ("app.t_schema_version", "\"t\""),
+            ("t_lease_pkey", "\"t_lease\""),
+            ("kv_created_idx", "\"kv\""),
+            ("kv_created_seq_seq", "\"kv\""),
+            ("kv_lease_owner_id_key", "\"kv\""),
+        ] {
+            let e = TableName::parse(bad).unwrap_err();
+            let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{e}") };
+            assert!(reason.contains(&format!("the store of table {other}")), "{reason}");
+        }
+        for fine in ["_lease", "lease", "t_leases", "T_LEASE", "t_lease_history", "leased"] {
+            assert!(TableName::parse(fine).is_ok(), "{fine:?}");
+        }
         assert!(TableName::parse(&"a".repeat(49)).is_err());
     }
 }

@@ -18,7 +18,7 @@ use deadpool_postgres::ClientWrapper;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Error, GenericClient, Row, RowStream};
 
-use crate::sql::Statement;
+use crate::sql::{self, Statement};
 
 /// How the server sessions behind a connection string are shared:
 /// [`Builder::pool_mode`](crate::Builder::pool_mode).
@@ -190,6 +190,31 @@ impl Prepared<'_> {
                 client.query_typed(&statement.sql, &typed(statement.types, params)).await
             }
         }
+    }
+}
+
+impl Prepared<'_> {
+    /// [`Prepared::query`] in a transaction of its own at read committed, whatever the
+    /// session's defaults. `BEGIN`, the statement and `COMMIT` are pipelined: the driver sends
+    /// all three before it waits for an answer, so they cost one round trip.
+    ///
+    /// The first error wins. An error of the statement rolls back (its `COMMIT` answers
+    /// `ROLLBACK`). An error of the `COMMIT` alone, a broken connection say, leaves the outcome
+    /// unknown, as for a statement of its own.
+    pub(crate) async fn query_read_committed(
+        &self,
+        client: &Client,
+        params: Params<'_>,
+    ) -> Result<Vec<Row>, Error> {
+        let (begun, rows, committed) = tokio::join!(
+            client.batch_execute(sql::BEGIN_READ_COMMITTED),
+            self.query(client, params),
+            client.batch_execute(sql::COMMIT),
+        );
+        begun?;
+        let rows = rows?;
+        committed?;
+        Ok(rows)
     }
 }
 

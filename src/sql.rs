@@ -41,9 +41,12 @@ pub(crate) const TABLE_SCHEMA_TYPES: &[Type] = &[Type::TEXT];
 
 /// First in the setup transaction. A `statement_timeout` or `lock_timeout` in the connection's
 /// options is meant for the application's operations, not the setup. See docs/design.md,
-/// section "Statement timeouts".
-pub(crate) const SETUP_TIMEOUTS: &str =
-    "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0";
+/// section "Statement timeouts". Its commit is durable as a write's is (see [`WRITE`]): an
+/// acquisition lost in a crash would hand its fencing token out again.
+pub(crate) const SETUP_TIMEOUTS: &str = "SET LOCAL statement_timeout = 0; \
+     SET LOCAL lock_timeout = 0; \
+     SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
+         WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)";
 
 /// Next in the setup transaction. The server ends the session if it is left idle in the
 /// transaction for one TTL (`$1`, in milliseconds, as text).
@@ -85,12 +88,6 @@ pub(crate) const READ_COMMITTED: &str =
 /// session is the store's own. Not behind a transaction pooler, where no session is.
 pub(crate) const RENEWAL_SESSION: &str = "SET synchronous_commit = off; \
      SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
-
-/// The default isolation level of a connection the store cannot set to read committed, checked
-/// by `open()` (see [`READ_COMMITTED`]). That is one of a pool passed to `builder_from_pool`, or
-/// any behind a transaction pooler.
-pub(crate) const DEFAULT_ISOLATION: &str =
-    "SELECT current_setting('default_transaction_isolation')";
 
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
@@ -233,6 +230,14 @@ UPDATE {lease}
 RETURNING epoch"#;
 pub(crate) const CHANGE_OWNER_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID];
 
+/// Begins the transaction of a fenced mutation where the store does not own the session: behind
+/// a transaction pooler, or on a pool passed in. A session setting there is a neighbour's, or
+/// the application's: `default_transaction_isolation` may say serializable. Sent in one round
+/// trip with the mutation and [`COMMIT`] (pipelined). See [`WRITE`] for why read committed.
+pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+pub(crate) const COMMIT: &str = "COMMIT";
+
 /// The fenced write: one statement, one round trip. The `lease` CTE share-locks our lease row
 /// (FOR KEY SHARE) only if we own it and it has not expired. The lock is held until commit, so
 /// a takeover waits for this statement. `valid` checks the expiry again once the lock is
@@ -240,8 +245,23 @@ pub(crate) const CHANGE_OWNER_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID];
 /// unchanged. PostgreSQL then does not re-evaluate `lease`'s WHERE, and the lease may have
 /// expired meanwhile. The insert reads from `valid`, so it writes nothing when the lease is gone.
 /// Returns whether the lease was held (false: nothing was written).
+///
+/// `durable` makes `Ok` mean durable whatever the role, the database, the session or a
+/// pooler's other client set. It sets `synchronous_commit` to `on` for this transaction only
+/// (`set_config(..., true)`), which its commit then obeys. `remote_apply`, stronger, is kept.
+/// The final `SELECT` reads `durable`, so it is always evaluated. Every fenced mutation
+/// ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]) has it.
+///
+/// It runs at read committed: only that level re-reads the lease row after waiting for its
+/// lock. Under repeatable read or serializable the lock fails with a serialization error
+/// (40001) when a renewal changed the row since the snapshot, and the store cannot tell that
+/// from any other error. The store's own sessions are set to read committed
+/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`].
 pub(crate) const WRITE: &str = r#"
-WITH lease AS (
+WITH durable AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+), lease AS (
     SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
@@ -253,14 +273,17 @@ WITH lease AS (
     ON CONFLICT (primary_namespace, secondary_namespace, key)
     DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
 )
-SELECT EXISTS (SELECT 1 FROM valid)"#;
+SELECT EXISTS (SELECT 1 FROM valid) FROM durable"#;
 pub(crate) const WRITE_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA];
 
 /// The fenced remove, shaped like [`WRITE`]: the delete joins the `valid` CTE, so it removes
 /// nothing when the lease is gone. Removing a missing key is not an error.
 pub(crate) const REMOVE: &str = r#"
-WITH lease AS (
+WITH durable AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+), lease AS (
     SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
@@ -270,7 +293,7 @@ WITH lease AS (
     DELETE FROM {kv} USING valid
      WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
 )
-SELECT EXISTS (SELECT 1 FROM valid)"#;
+SELECT EXISTS (SELECT 1 FROM valid) FROM durable"#;
 pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
@@ -293,7 +316,10 @@ pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, T
 /// is planned once per connection. That plan looks up each remove in the primary key, which
 /// is what the custom plans of small remove lists did too.
 pub(crate) const BATCH: &str = r#"
-WITH lease AS (
+WITH durable AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+), lease AS (
     SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
@@ -316,7 +342,7 @@ WITH lease AS (
        AND kv.secondary_namespace = r.secondary_namespace
        AND kv.key = r.key
 )
-SELECT EXISTS (SELECT 1 FROM valid)"#;
+SELECT EXISTS (SELECT 1 FROM valid) FROM durable"#;
 pub(crate) const BATCH_TYPES: &[Type] = &[
     Type::UUID,
     Type::TEXT_ARRAY,
@@ -336,7 +362,10 @@ pub(crate) const BATCH_TYPES: &[Type] = &[
 /// of 1 KiB). This statement's generic plan costs the same as its custom plans. So it is
 /// planned once per connection after five executions.
 pub(crate) const BATCH_PUT: &str = r#"
-WITH lease AS (
+WITH durable AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+), lease AS (
     SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
        FOR KEY SHARE
@@ -351,7 +380,7 @@ WITH lease AS (
     ON CONFLICT (primary_namespace, secondary_namespace, key)
     DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
 )
-SELECT EXISTS (SELECT 1 FROM valid)"#;
+SELECT EXISTS (SELECT 1 FROM valid) FROM durable"#;
 pub(crate) const BATCH_PUT_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY];
 
@@ -536,7 +565,6 @@ mod tests {
             (TABLE_EXISTS, TABLE_EXISTS_TYPES),
             (SCHEMA_EXISTS, SCHEMA_EXISTS_TYPES),
             (NEVER_ANALYZED, NEVER_ANALYZED_TYPES),
-            (DEFAULT_ISOLATION, &[]),
         ];
         for (sql, types) in fixed {
             assert_eq!(parameters(sql), types.len(), "{sql}");

@@ -580,27 +580,49 @@ async fn renew(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Resu
         return Ok(Renewal::NotSent);
     }
     let ttl_ms = config.ttl.as_millis() as i64;
-    let rows = session
-        .renew
-        .query(session.conn.client(), &[&lease.owner_ids(), &ttl_ms])
-        .await
-        .map_err(Error::db("renew lease"))?;
-    Ok(if rows.is_empty() { Renewal::NotOurs } else { Renewal::Extended })
+    loop {
+        let ids = lease.owner_ids();
+        let (client, params): (_, [&(dyn ToSql + Sync); 2]) =
+            (session.conn.client(), [&ids, &ttl_ms]);
+        // Behind a transaction pooler the session's isolation may be another client's.
+        let rows = match config.connector.mode().keeps_session() {
+            true => session.renew.query(client, &params).await,
+            false => session.renew.query_read_committed(client, &params).await,
+        };
+        let rows = rows.map_err(Error::db("renew lease"))?;
+        if !rows.is_empty() {
+            return Ok(Renewal::Extended);
+        }
+        // No row had one of `ids`. The store's own change of owner id may have committed
+        // while this was in transit, to an id not among them: that is no loss. Such a change
+        // adds its id before it is sent. So if none was added, the row is not ours.
+        if !lease.owner_ids_added_since(&ids) {
+            return Ok(Renewal::NotOurs);
+        }
+    }
 }
 
 async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Result<()> {
     let session = connected(config, session).await?;
     let release = &config.release_sql;
-    let params: [&(dyn ToSql + Sync); 2] = [&lease.owner_ids(), &config.notify_channel];
-    let rows = (config.connector.mode())
-        .query(session.conn.client(), &release.sql, release.types, &params)
-        .await
-        .map_err(Error::db("release lease"))?;
-    if rows.is_empty() {
-        tracing::debug!(target: LOG, table = %lease.table, epoch = lease.epoch,
-            "pgfence lease was no longer ours or already expired at release");
+    loop {
+        let ids = lease.owner_ids();
+        let params: [&(dyn ToSql + Sync); 2] = [&ids, &config.notify_channel];
+        let rows = (config.connector.mode())
+            .query(session.conn.client(), &release.sql, release.types, &params)
+            .await
+            .map_err(Error::db("release lease"))?;
+        if !rows.is_empty() {
+            return Ok(());
+        }
+        // As in `renew`: released nothing, maybe because the store's own change of owner id
+        // committed meanwhile. Then the row is still ours, under the new id: release again.
+        if !lease.owner_ids_added_since(&ids) {
+            tracing::debug!(target: LOG, table = %lease.table, epoch = lease.epoch,
+                "pgfence lease was no longer ours or already expired at release");
+            return Ok(());
+        }
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -217,6 +217,12 @@ impl Lease {
         self.owners().all.clone()
     }
 
+    /// Whether an owner id was added since `ids` was read ([`Lease::owner_ids`]). Ids are only
+    /// ever added, each before the change that writes it is sent ([`Lease::next_owner`]).
+    pub(crate) fn owner_ids_added_since(&self, ids: &[Uuid]) -> bool {
+        self.owners().all.len() > ids.len()
+    }
+
     /// A new owner id, to be written in place of any of this store's. It joins the ids that
     /// renewal and release match before it is sent: its change may commit unanswered.
     pub(crate) fn next_owner(&self) -> (Vec<Uuid>, Uuid) {

@@ -21,7 +21,6 @@ use crate::exec::{Checkout, Executor, detached, discard};
 use crate::keys::TableName;
 use crate::lease::{Connector, Keeper, KeeperConfig, Lease};
 use crate::schema::{self, Holder, SetupFailed};
-use crate::session::PoolMode;
 use crate::sql::{self, Statements};
 use crate::write::Writes;
 
@@ -134,15 +133,13 @@ async fn open_here(
     // this attempt, which a standby retries, instead of holding it up for good.
     let mode = pool.mode();
     let checks = async {
-        // First: in session mode, the checks below and the setup use prepared statements. In
-        // transaction mode the store sets nothing on its connections, so each must default to
-        // read committed.
+        // First: in session mode, the checks below and the setup use prepared statements.
+        // Where the store does not own the sessions (a pool passed in, a transaction pooler),
+        // their default isolation does not matter: each fenced mutation pins read committed
+        // (`sql::BEGIN_READ_COMMITTED`).
         if !reuse.checked.load(Ordering::Relaxed) {
             if mode.keeps_session() {
                 connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;
-            }
-            if matches!(builder.source, Source::Pool(_)) || !mode.keeps_session() {
-                check_default_isolation(mode, &client, &builder.source).await?;
             }
             reuse.checked.store(true, Ordering::Relaxed);
         } else {
@@ -305,50 +302,6 @@ async fn open_here(
             builder.max_queued_bytes,
         )),
     })
-}
-
-/// A store on a pool passed in runs its mutations on connections it did not open. So it
-/// cannot set them to read committed as it does its own (see `sql::READ_COMMITTED`). The
-/// renewal thread sets its own connection of the pool. Behind a transaction pooler
-/// ([`PoolMode::Transaction`](crate::PoolMode::Transaction)) it sets no connection at all: a
-/// session setting would stay with a server session other clients share.
-///
-/// The store refuses connections that default to repeatable read or serializable. Otherwise a
-/// write that waited for a takeover would meet a serialization failure, not report a lost
-/// lease. Read uncommitted is read committed in PostgreSQL.
-async fn check_default_isolation(
-    mode: PoolMode,
-    client: &tokio_postgres::Client,
-    source: &Source,
-) -> Result<()> {
-    let level: String = mode
-        .query_one(client, sql::DEFAULT_ISOLATION, &[], &[])
-        .await
-        .map_err(Error::db("check default isolation"))?
-        .get(0);
-    if matches!(level.as_str(), "read committed" | "read uncommitted") {
-        return Ok(());
-    }
-    let fix = match source {
-        Source::Pool(_) => {
-            "set it on the pool's connections with the connection option \
-                            `-c default_transaction_isolation=read\\ committed`"
-        }
-        // Nothing is set on a session behind a transaction pooler, which may refuse startup
-        // options as well: the default must come from the server.
-        _ => {
-            "behind a transaction pooler pgfence sets nothing on a session, so set it for the \
-              role or database: `ALTER ROLE ... SET default_transaction_isolation = \
-              'read committed'`"
-        }
-    };
-    Err(Error::config(
-        if matches!(source, Source::Pool(_)) { "pool" } else { "pool_mode" },
-        format!(
-            "its connections default to {level} isolation (default_transaction_isolation); \
-             pgfence needs read committed: {fix}"
-        ),
-    ))
 }
 
 /// A connection of the pool, creating the database first if it does not exist (and the role

@@ -36,6 +36,26 @@ async fn invalid_table_names_are_rejected_before_any_sql() {
     }
 }
 
+/// A table name another store derives (`t_lease` is store `t`'s lease table) is refused
+/// before any statement, naming that store. Before, the second `open()` failed with a raw
+/// database error (`column "owner_id" does not exist`), or took the other store's table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_names_that_collide_with_another_stores_are_refused_before_any_sql() {
+    let t = table("derived");
+    let store = builder(&t).open().await.unwrap();
+    for suffix in ["_lease", "_schema_version", "_created_idx", "_pkey", "_lease_owner_id_key"] {
+        let name = format!("{t}{suffix}");
+        let e = builder(&name).open().await.unwrap_err();
+        let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{name}: {e:?}") };
+        assert!(reason.contains(&format!("the store of table \"{t}\"")), "{reason}");
+    }
+    // Nothing was created for the refused names, and the first store is unharmed.
+    assert_eq!(tables_like(&format!("{t}_lease_")).await, 0);
+    assert_eq!(tables_like(&format!("{t}_schema_version_")).await, 0);
+    store.write("a", "b", "k", b"v".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quote_injection_in_the_table_name_is_harmless() {
     // A victim table that an injection would drop.

@@ -19,6 +19,7 @@ mod batch;
 mod blocking;
 mod coalesce;
 mod conformance;
+mod durability;
 mod failover;
 mod faults;
 mod fleet;

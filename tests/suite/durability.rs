@@ -1,0 +1,173 @@
+//! What `Ok` of a write, a remove or a batch promises, whatever the session says: committed with
+//! at least `synchronous_commit = on`, at read committed. A role's defaults, a session's
+//! startup options, an application's pool and a transaction pooler's other clients may each
+//! say otherwise (`synchronous_commit = off`, `default_transaction_isolation = serializable`);
+//! none of them may weaken it. A stronger `remote_apply` is kept.
+//!
+//! A deferred constraint trigger on the store's table records, at each commit, the settings
+//! that commit obeys: it fires in the commit itself, after every statement of the transaction.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{admin, server, table};
+use pgfence::{PgKvStore, PoolMode};
+use pgfence_testing::PgBouncer;
+
+/// Records `synchronous_commit` and `transaction_isolation` at the commit of every change to
+/// `t`, into `<t>_commits`.
+async fn record_commit_settings(t: &str) {
+    admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE TABLE \"{t}_commits\" (op TEXT, sync TEXT, isolation TEXT);
+             CREATE FUNCTION \"{t}_record\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO \"{t}_commits\" VALUES (TG_OP,
+                     current_setting('synchronous_commit'),
+                     current_setting('transaction_isolation'));
+                 RETURN NULL;
+             END $$;
+             CREATE CONSTRAINT TRIGGER record AFTER INSERT OR UPDATE OR DELETE ON \"{t}\"
+                 DEFERRABLE INITIALLY DEFERRED
+                 FOR EACH ROW EXECUTE FUNCTION \"{t}_record\"();"
+        ))
+        .await
+        .unwrap();
+}
+
+/// Every commit recorded on `t`: (operation, synchronous_commit, isolation).
+async fn commits(t: &str) -> Vec<(String, String, String)> {
+    let sql = format!("SELECT op, sync, isolation FROM \"{t}_commits\"");
+    let rows = admin().await.query(&sql, &[]).await.unwrap();
+    rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect()
+}
+
+/// A write, an overwrite, a coalesced pair, a batch and a remove on `store`: each returns
+/// `Ok`, and each commit on `t` obeyed `sync` at read committed.
+async fn check_every_mutation_commits(store: &PgKvStore, t: &str, sync: &str) {
+    store.write("d", "s", "a", b"1".to_vec()).await.unwrap();
+    store.write("d", "s", "a", b"2".to_vec()).await.unwrap();
+    let (x, y) = tokio::join!(
+        store.write("d", "s", "x", b"x".to_vec()),
+        store.write("d", "s", "y", b"y".to_vec())
+    );
+    (x.unwrap(), y.unwrap());
+    store.batch().put("d", "s", "b", b"b".to_vec()).remove("d", "s", "x").commit().await.unwrap();
+    store.remove("d", "s", "a", false).await.unwrap();
+    let commits = commits(t).await;
+    let ops: Vec<&str> = commits.iter().map(|(op, _, _)| op.as_str()).collect();
+    for op in ["INSERT", "UPDATE", "DELETE"] {
+        assert!(ops.contains(&op), "a commit of each kind was recorded: {commits:?}");
+    }
+    for (op, recorded_sync, isolation) in &commits {
+        assert_eq!(recorded_sync, sync, "{op}: {commits:?}");
+        assert_eq!(isolation, "read committed", "{op}: {commits:?}");
+    }
+}
+
+/// A store whose role's defaults and whose session's startup options ask for asynchronous
+/// commits at serializable: its changes commit durably, at read committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_is_durable_whatever_the_role_and_the_session_set() {
+    let t = table("durrole");
+    let role = t.clone();
+    let admin = admin().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN SUPERUSER PASSWORD 'durable';
+             ALTER ROLE \"{role}\" SET synchronous_commit = off;
+             ALTER ROLE \"{role}\" SET default_transaction_isolation = serializable;"
+        ))
+        .await
+        .unwrap();
+    for (options, sync) in [
+        ("", "on"),
+        ("-c synchronous_commit=local -c default_transaction_isolation=repeatable\\ read", "on"),
+        // Stronger than `on`: kept (without a synchronous standby, it waits for no one).
+        ("-c synchronous_commit=remote_apply", "remote_apply"),
+    ] {
+        let t = table("durrole");
+        let mut config = server().config();
+        config.user(&role).password("durable");
+        let base = config.get_options().unwrap_or_default().to_owned();
+        config.options(format!("{base} {options}"));
+        let store = PgKvStore::builder_from_config(config)
+            .table(&t)
+            .pool_size(2)
+            .lease_ttl(Duration::from_secs(30))
+            .open()
+            .await
+            .unwrap();
+        record_commit_settings(&t).await;
+        check_every_mutation_commits(&store, &t, sync).await;
+        store.close().await.unwrap();
+    }
+    admin
+        .batch_execute(&format!(
+            "REASSIGN OWNED BY \"{role}\" TO CURRENT_USER; DROP ROLE \"{role}\";"
+        ))
+        .await
+        .unwrap();
+}
+
+/// A store on an application's pool, whose connections default to asynchronous commits at
+/// serializable: its changes commit durably, at read committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_is_durable_on_a_pool_passed_in_whatever_its_sessions_set() {
+    use pgfence::deadpool_postgres::{Manager, Pool};
+    let t = table("durpool");
+    let mut config = server().config();
+    let base = config.get_options().unwrap_or_default().to_owned();
+    config.options(format!(
+        "{base} -c synchronous_commit=off -c default_transaction_isolation=serializable"
+    ));
+    let manager = Manager::new(config, pgfence::tokio_postgres::NoTls);
+    let pool = Pool::builder(manager).max_size(2).build().unwrap();
+    let store = PgKvStore::builder_from_pool(pool)
+        .table(&t)
+        .lease_ttl(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap();
+    record_commit_settings(&t).await;
+    check_every_mutation_commits(&store, &t, "on").await;
+    store.close().await.unwrap();
+}
+
+/// Behind a transaction pooler with one server session, another client sets that session to
+/// asynchronous commits at serializable, after the store opened. The store's changes, on that
+/// same server session, still commit durably at read committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
+    let server = server();
+    let addr = server.tcp_addr().unwrap();
+    let bouncer = PgBouncer::start_sized(addr, pgfence_testing::PoolMode::Transaction, 1).unwrap();
+    let config = bouncer.config_via(&server.config());
+    let t = table("durbounce");
+    let store = PgKvStore::builder_from_config(config.clone())
+        .table(&t)
+        .pool_mode(PoolMode::Transaction)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap();
+    record_commit_settings(&t).await;
+    let (neighbour, connection) = config.connect(pgfence::tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    neighbour
+        .batch_execute(
+            "SET synchronous_commit = off; SET default_transaction_isolation = serializable",
+        )
+        .await
+        .unwrap();
+    // The one server session now has the neighbour's settings.
+    let row = neighbour.query_one("SHOW synchronous_commit", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "off");
+    check_every_mutation_commits(&store, &t, "on").await;
+    store.close().await.unwrap();
+    drop(neighbour);
+    connection.await.unwrap().unwrap();
+}
