@@ -42,6 +42,9 @@ pub(crate) struct Executor {
     /// ([`Executor::fence_own`]): one change at a time, a fence check waits for it, and no
     /// mutation is sent meanwhile.
     pub(crate) fencing: tokio::sync::Mutex<()>,
+    /// Set while [`Executor::fence_own`] changes the owner id (under `fencing`): mutations wait
+    /// for it before they send anything. A flag, so that the write path takes no lock.
+    pub(crate) fence_under_way: AtomicBool,
 }
 
 impl Executor {
@@ -347,13 +350,14 @@ impl Executor {
 
     /// Waits until no fence of the store's own is under way ([`Executor::fence_own`]).
     async fn fence_finished(&self) {
-        drop(self.fencing.lock().await);
+        if self.fence_pending() {
+            drop(self.fencing.lock().await);
+        }
     }
 
-    /// Whether a fence of the store's own is under way now. (Its lock is also held for a
-    /// moment by [`Executor::owner_changed_since`]: a caller then only waits needlessly.)
+    /// Whether a fence of the store's own is under way now.
     fn fence_pending(&self) -> bool {
-        self.fencing.try_lock().is_err()
+        self.fence_under_way.load(Ordering::SeqCst)
     }
 
     /// Whether the store changed its owner id since `generation`, waiting for a change under
@@ -383,6 +387,8 @@ impl Executor {
         if self.lease.owner().1 > generation {
             return Ok(()); // Changed after that statement was sent: it is fenced off already.
         }
+        // Cleared on every return, and if this future is dropped.
+        let _under_way = UnderWay::set(&self.fence_under_way);
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(20);
         loop {
@@ -469,6 +475,22 @@ impl Executor {
                 }))
             }
         }
+    }
+}
+
+/// Sets a flag while it lives.
+struct UnderWay<'a>(&'a AtomicBool);
+
+impl<'a> UnderWay<'a> {
+    fn set(flag: &'a AtomicBool) -> UnderWay<'a> {
+        flag.store(true, Ordering::SeqCst);
+        UnderWay(flag)
+    }
+}
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
     }
 }
 

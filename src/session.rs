@@ -39,9 +39,9 @@ pub enum PoolMode {
     /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
     /// planned on every execution. No session setting is made, so:
     ///
-    /// - `open()` checks that the connections default to read committed
-    ///   (`default_transaction_isolation`), since it cannot set that. Set it for the role or
-    ///   database if they do not.
+    /// - Each fenced mutation, and each renewal, runs in a transaction of its own at read
+    ///   committed (`BEGIN ISOLATION LEVEL READ COMMITTED`, pipelined with the statement and
+    ///   its `COMMIT` in one round trip). Another client's session settings cannot change that.
     /// - Renewals and releases commit synchronously. `synchronous_commit = off` is a session
     ///   setting; see docs/design.md, section "Renewal".
     /// - A fleet's shared renewal connection has no `lock_timeout` of 100 ms.

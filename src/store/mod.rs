@@ -49,8 +49,11 @@ use crate::write::{Mutation, Writes};
 /// - **Shared statements.** While [`Builder::write_concurrency`] statements are busy, waiting
 ///   mutations of other keys share the next such statement. Each call still gets its own
 ///   result.
-/// - **Durability of `Ok`.** When `write` or `remove` returns `Ok`, the change is committed.
-///   Or it was superseded by a later call to the same key, and that one is committed.
+/// - **Durability of `Ok`.** When `write`, `remove` or a batch's `commit` returns `Ok`, the
+///   change is committed. Or it was superseded by a later call to the same key, and that one
+///   is committed. The commit ran at read committed with at least `synchronous_commit = on`
+///   (`remote_apply` is kept), whatever the role, the database, the session or a pooler's other
+///   client set.
 /// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
 ///   methods were *called*. The order their futures are polled or complete in does not matter.
 ///   A later call's value is never overwritten by an earlier one.
@@ -184,20 +187,12 @@ impl PgKvStore {
     /// For renewal fully independent of the application's runtime, use [`PgKvStore::builder`]
     /// or [`PgKvStore::builder_from_config`].
     ///
-    /// # Isolation
+    /// # Isolation and durability
     ///
-    /// The pool's connections must default to read committed. The store sets the connections
-    /// it opens itself to read committed. But it cannot set those of a pool it did not build.
-    /// Under repeatable read or serializable, a write that waited for a takeover would get a
-    /// serialization failure (SQLSTATE 40001) instead of [`Error::LeaseLost`]. So
-    /// [`Builder::open`] refuses a pool whose connections default to either. The error is
-    /// [`Error::InvalidConfig`] with field `"pool"`.
-    ///
-    /// Where the database or role sets a stricter default, give the pool's connections
-    /// `-c default_transaction_isolation=read\ committed` in their options. The backslash keeps
-    /// the space in the value. A `post_create` hook that runs `SET SESSION CHARACTERISTICS AS
-    /// TRANSACTION ISOLATION LEVEL READ COMMITTED` passes the check too. But
-    /// `RecyclingMethod::Clean` (`RESET ALL`) or a pooler's `DISCARD ALL` undoes it. See
+    /// The store does not own the pool's sessions, whose defaults may say repeatable read,
+    /// serializable or `synchronous_commit = off`. None of that weakens a write: each fenced
+    /// mutation runs in a transaction of its own at read committed, and commits with at least
+    /// `synchronous_commit = on`. See
     /// [Isolation](https://github.com/pgfence/pgfence/blob/main/docs/design.md#isolation)
     /// in docs/design.md.
     pub fn builder_from_pool(pool: Pool) -> Builder {

@@ -295,6 +295,7 @@ async fn open_here(
             drop_timeout: builder.drop_timeout,
             retry_for: builder.lease_ttl,
             fencing: tokio::sync::Mutex::new(()),
+            fence_under_way: std::sync::atomic::AtomicBool::new(false),
         }),
         writes: Arc::new(Writes::new(
             builder.write_concurrency,

@@ -35,6 +35,26 @@ DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch"#;
 /// The store's fenced single-key write, exactly as `PgKvStore::write` runs it when its statement
 /// is not shared (pgfence's `sql::WRITE`): the `solo` variant of the bench command.
 pub const FENCED_WRITE: &str = r#"
+WITH durable AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+), lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT $2, $3, $4, $5, valid.epoch FROM valid
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM durable"#;
+
+/// [`FENCED_WRITE`] without its `durable` CTE, which pins `synchronous_commit`: the
+/// `unpinned` variant, to time that pin side by side.
+pub const FENCED_WRITE_UNPINNED: &str = r#"
 WITH lease AS (
     SELECT epoch, expires_at FROM {lease}
      WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
@@ -109,6 +129,7 @@ pub struct Baseline {
     naive_upsert: String,
     renew: String,
     fenced: String,
+    fenced_unpinned: String,
 }
 
 impl Baseline {
@@ -125,6 +146,7 @@ impl Baseline {
             naive_upsert: sql(NAIVE_UPSERT, table),
             renew: sql(RENEW, table),
             fenced: sql(FENCED_WRITE, table),
+            fenced_unpinned: sql(FENCED_WRITE_UNPINNED, table),
         }
     }
 
@@ -151,8 +173,17 @@ impl Baseline {
     /// One fenced write in a statement of its own (the store's `WRITE`), with the store's owner
     /// id: one pooled connection, one prepared statement, one round trip.
     pub async fn fenced(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        self.fenced_with(&self.fenced, key, value).await
+    }
+
+    /// [`Baseline::fenced`] without the pin of `synchronous_commit` ([`FENCED_WRITE_UNPINNED`]).
+    pub async fn fenced_unpinned(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        self.fenced_with(&self.fenced_unpinned, key, value).await
+    }
+
+    async fn fenced_with(&self, sql: &str, key: &str, value: &[u8]) -> Result<(), BoxError> {
         let client = self.pool.get().await?;
-        let statement = client.prepare_cached(&self.fenced).await?;
+        let statement = client.prepare_cached(sql).await?;
         let row = client.query_one(&statement, &[&self.owner, &NS, &SUB, &key, &value]).await?;
         if !row.get::<_, bool>(0) {
             return Err("fenced write: the lease is not ours".into());
