@@ -53,7 +53,8 @@ async fn check_every_mutation_commits(store: &PgKvStore, t: &str, sync: &str) {
         store.write("d", "s", "x", b"x".to_vec()),
         store.write("d", "s", "y", b"y".to_vec())
     );
-    (x.unwrap(), y.unwrap());
+    x.unwrap();
+    y.unwrap();
     store.batch().put("d", "s", "b", b"b".to_vec()).remove("d", "s", "x").commit().await.unwrap();
     store.remove("d", "s", "a", false).await.unwrap();
     let commits = commits(t).await;
