@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release -p pgfence-testing --example bench -- [--concurrency 1,4,16]
 //!     [--value-size 1024] [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
-//!     [--database-url URL] [--variants unfenced,fenced,solo,unpinned,naive]
+//!     [--database-url URL] [--variants unfenced,fenced,solo,pinned,naive]
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
 //!     [--pool-mode session|transaction]
 //! ```
@@ -26,8 +26,8 @@
 //!   pooler, without the pooler.
 //! - `solo`: the store's fenced single-key statement, one per write, never shared: what
 //!   `PgKvStore::write` did before write coalescing (raw SQL with the store's owner id).
-//! - `unpinned`: `solo` without the CTE that pins `synchronous_commit` for the transaction:
-//!   `solo` against `unpinned` is the cost of that pin.
+//! - `pinned`: `solo` with a CTE that sets `synchronous_commit` for its transaction: what a
+//!   pin in every statement would cost, against the store's pin per session.
 //! - `naive`: `BEGIN`, renew the lease with an `UPDATE`, upsert, `COMMIT`: the design the
 //!   fenced statement replaced.
 //!
@@ -57,7 +57,7 @@ use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--duration-secs 5] \
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
-[--variants unfenced,fenced,solo,unpinned,naive] [--renew-probe-ms 50] [--sample-waits] \
+[--variants unfenced,fenced,solo,pinned,naive] [--renew-probe-ms 50] [--sample-waits] \
 [--keys-per-writer 64] [--write-concurrency N] [--pool-mode session|transaction]";
 
 #[derive(Debug, Clone)]
@@ -85,7 +85,7 @@ enum Variant {
     Unfenced,
     Fenced,
     Solo,
-    Unpinned,
+    Pinned,
     Naive,
 }
 
@@ -95,7 +95,7 @@ impl Variant {
             Variant::Unfenced => "unfenced",
             Variant::Fenced => "fenced",
             Variant::Solo => "solo",
-            Variant::Unpinned => "unpinned",
+            Variant::Pinned => "pinned",
             Variant::Naive => "naive",
         }
     }
@@ -105,7 +105,7 @@ impl Variant {
             "unfenced" => Ok(Variant::Unfenced),
             "fenced" => Ok(Variant::Fenced),
             "solo" => Ok(Variant::Solo),
-            "unpinned" => Ok(Variant::Unpinned),
+            "pinned" => Ok(Variant::Pinned),
             "naive" => Ok(Variant::Naive),
             other => Err(format!("unknown variant {other:?}")),
         }
@@ -470,7 +470,7 @@ impl Workload {
             Variant::Fenced => Ok(self.store.write(NS, SUB, key, value).await?),
             Variant::Naive => self.baseline.naive(key, &value).await,
             Variant::Solo => self.baseline.fenced(key, &value).await,
-            Variant::Unpinned => self.baseline.fenced_unpinned(key, &value).await,
+            Variant::Pinned => self.baseline.fenced_pinned(key, &value).await,
         }
     }
 }
