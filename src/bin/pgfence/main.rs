@@ -17,6 +17,7 @@ mod ldk_import;
 mod logging;
 mod metrics;
 mod output;
+mod privileges;
 mod target;
 
 use crate::commands::{export, finish, import, release, status};
@@ -195,7 +196,11 @@ enum Command {
     /// Checks the deployment before it is trusted: server version, privileges, durability
     /// settings, timeouts, clock, TLS, and the table. A pass/warn/fail table; exit 1 if a
     /// check fails. Creates nothing and never takes the lease.
-    Doctor,
+    Doctor {
+        /// Check a read-only role: the rights of status, get, ls and export only.
+        #[arg(long)]
+        read_only: bool,
+    },
     /// Every row as a JSON line {primary_namespace, secondary_namespace, key, value (base64)}.
     /// Reads without the lease: rows changed while it runs may or may not be included.
     Export {
@@ -413,6 +418,11 @@ async fn run(cli: Cli) -> Result<(), Exit> {
     }
     // Bad input and the table name are refused before anything connects.
     check_input(&cli.command)?;
+    let _ = privileges::COMMAND.set((
+        command_name(&cli.command),
+        uses(&cli.command),
+        cli.table.clone(),
+    ));
     builder.clone().inspect().await?;
     let target = Target {
         config: resolved.config,
@@ -428,7 +438,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         | Command::Export { .. }
         | Command::Release { .. } => target.require_table().await?,
         // It reports what is missing as a failed check.
-        Command::Doctor => {}
+        Command::Doctor { .. } => {}
         // A holder rides out connection errors, as `hold --wait` does.
         Command::AuditHolder(_) => target.require_database(false, true).await?,
         Command::Put { .. }
@@ -516,13 +526,43 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Hold(args) => hold::hold(builder, args, target).await,
         Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
-        Command::Doctor => doctor::doctor(builder, &target, json).await,
+        Command::Doctor { read_only } => doctor::doctor(builder, &target, read_only, json).await,
         Command::Import { from_ldk_fs: Some(dir), force, .. } => {
             import_ldk_fs(builder, dir, force, json).await
         }
         Command::Import { input, .. } => import(builder, input, json).await,
         Command::Audit(args) => audit::audit(builder, target, args, holder_env, json).await,
         Command::AuditHolder(args) => audit::holder(target, args).await,
+    }
+}
+
+/// The command's name, as users type it.
+fn command_name(command: &Command) -> &'static str {
+    match command {
+        Command::Status => "status",
+        Command::Get(_) => "get",
+        Command::Put { .. } => "put",
+        Command::Rm(_) => "rm",
+        Command::Ls { .. } => "ls",
+        Command::Hold(_) => "hold",
+        Command::Release { .. } => "release",
+        Command::Doctor { .. } => "doctor",
+        Command::Export { .. } => "export",
+        Command::Import { .. } => "import",
+        Command::Audit(_) => "audit",
+        Command::AuditHolder(_) => "audit-holder",
+    }
+}
+
+/// What the command does with the tables, for the rights it needs.
+fn uses(command: &Command) -> privileges::Use {
+    use privileges::Use;
+    match command {
+        Command::Get(_) | Command::Ls { .. } | Command::Export { .. } => Use::Read,
+        Command::Status => Use::Status,
+        Command::Release { .. } => Use::Release,
+        Command::Doctor { read_only: true } => Use::Reader,
+        _ => Use::Write,
     }
 }
 
