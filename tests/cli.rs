@@ -138,13 +138,19 @@ impl Ran {
         String::from_utf8_lossy(&self.stdout).into_owned()
     }
 
-    /// Exit `code`, and on failure exactly one `pgfence: ...` line on stderr.
+    /// Exit `code`, and on failure exactly one `pgfence: ...` line on stderr, or under
+    /// `--json` one JSON object with the error and that code.
     fn expect(&self, code: i32, what: &str) -> &Ran {
         assert_eq!(self.code, Some(code), "{what}: {self:?}");
         if code != 0 {
             let lines: Vec<&str> = self.stderr.lines().collect();
+            let json = |line: &str| {
+                serde_json::from_str::<Value>(line).is_ok_and(|error| {
+                    error["error"].is_string() && error["exit_code"].as_i64() == Some(code.into())
+                })
+            };
             assert!(
-                lines.len() == 1 && lines[0].starts_with("pgfence: "),
+                lines.len() == 1 && (lines[0].starts_with("pgfence: ") || json(lines[0])),
                 "{what}: one error line expected: {:?}",
                 self.stderr
             );
@@ -717,6 +723,10 @@ fn database_restart_within_the_deadline_keeps_the_lease() {
 
     let events = a.events();
     assert!(events.iter().all(|e| e.kind() != "lost"), "{events:?}");
+    // The retries while the server was away reach a JSON reader too, not only the log.
+    let retrying = events.iter().find(|e| e.kind() == "retrying").expect("a retrying event");
+    assert_eq!(retrying.int("epoch"), epoch, "{events:?}");
+    assert!(retrying.json["error"].as_str().is_some_and(|e| !e.is_empty()), "{events:?}");
     let writes = events[..=last].iter().filter(|e| e.kind() == "write");
     assert!(writes.clone().all(|e| e.int("epoch") == epoch), "{events:?}");
     let counters: Vec<i64> = writes.map(|e| e.int("counter")).collect();
@@ -753,6 +763,11 @@ fn force_release_fences_a_live_holder() {
     let (at, lost) = a.wait_for(0, "lost", |_| true);
     assert_eq!(lost.int("epoch"), a_epoch);
     assert_eq!(at, a.events().len() - 1, "lost is A's last word: {:?}", a.events());
+    // Named as what it was, though B took the lease at once.
+    assert_eq!(lost.json["cause"], "force_released", "{}", lost.json);
+    let reason = lost.json["reason"].as_str().unwrap_or_default();
+    assert!(reason.starts_with("force-released") && reason.contains("release --force"), "{reason}");
+    assert!(a.stderr().contains("force-released"), "{}", a.stderr());
     let b_epoch = b.acquired().int("epoch");
     assert_eq!(b_epoch, a_epoch + 1);
     b.stop("TERM", b_epoch);
@@ -1092,6 +1107,22 @@ fn put_reads_stdin_only_when_the_value_is_a_dash() {
     assert_eq!(get("--value-file FILE"), b"\x00from a file\xff");
     let both = ["put", key[0], key[1], key[2], "v", "--value-file", file.to_str().unwrap()];
     run(&url, &table, &both, None).expect(2, "VALUE and --value-file");
+    // An empty value blanks nothing unless asked: from stdin, from an argument, from a file.
+    let empty = dir.join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let empty_file = ["put", key[0], key[1], key[2], "--value-file", empty.to_str().unwrap()];
+    let dash = ["put", key[0], key[1], key[2], "-"];
+    let argument = ["put", key[0], key[1], key[2], ""];
+    let cases: [(&[&str], Option<&[u8]>); 3] =
+        [(&dash, Some(b"")), (&argument, None), (&empty_file, None)];
+    for (args, stdin) in cases {
+        let ran = run(&url, &table, args, stdin);
+        assert!(ran.expect(2, "an empty value").stderr.contains("--allow-empty"), "{ran:?}");
+    }
+    assert_eq!(get("after the refused empty values"), b"\x00from a file\xff");
+    run(&url, &table, &[&dash[..], &["--allow-empty"]].concat(), Some(b"")).expect(0, "asked");
+    assert_eq!(get("an empty value, asked for"), b"");
+    run(&url, &table, &from_file, None).expect(0, "--value-file FILE");
     let missing = dir.join("missing");
     let unreadable = ["put", key[0], key[1], key[2], "--value-file", missing.to_str().unwrap()];
     run(&url, &table, &unreadable, None).expect(2, "--value-file of a missing file");
@@ -1469,10 +1500,23 @@ fn commands_through_a_transaction_pooler_with_pool_mode_transaction() {
     let pooler = checks.iter().find(|c| c["check"] == "pooler").expect("a pooler check");
     assert_eq!(pooler["status"], "pass", "{report}");
     assert!(pooler["detail"].as_str().unwrap().contains("--pool-mode transaction"), "{report}");
-    // The session mode (the default) refuses the same pooler.
+    // The session mode (the default) refuses the same pooler, in the CLI's words.
     let refused = run(&url, &table, &["put", "n", "s", "k", "w"], None);
     assert_ne!(refused.code, Some(0), "{:?}", refused.stderr);
-    assert!(refused.stderr.contains("PoolMode::Transaction"), "{:?}", refused.stderr);
+    assert!(refused.stderr.contains("--pool-mode transaction"), "{:?}", refused.stderr);
+    assert!(!refused.stderr.contains("Builder::"), "{:?}", refused.stderr);
+
+    // A standby behind it looks at the lease every second, and prints `waiting` once: the
+    // state did not change.
+    let a = Holder::spawn("A", &url, &table, &mode);
+    let epoch = a.acquired().int("epoch");
+    let w = Holder::spawn("W", &url, &table, &[&mode[..], &["--wait"]].concat());
+    w.wait_for(0, "waiting", |e| e.int("epoch") == epoch);
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(w.events().len(), 1, "one waiting line: {:?}", w.events());
+    a.stop("TERM", epoch);
+    let next = w.acquired().int("epoch");
+    w.stop("TERM", next);
 }
 
 /// How the server names a connection's missing encryption when pg_hba.conf refuses it:
@@ -1964,6 +2008,86 @@ fn examples_answer_help_and_leave_no_tables_on_a_given_server() {
     assert!(bench.stderr.starts_with("warning: a debug build"), "{bench:?}");
     assert!(bench.stdout().contains("--release"), "the table says so too: {bench:?}");
     assert_eq!(tables_named("bench"), before, "bench left its tables");
+}
+
+/// Issue 30, item 2: the options are consistent. One duration syntax; `--table` from
+/// `PGFENCE_TABLE`; a bad variable named as the variable; a mistyped option gets a
+/// suggestion; a command's help lists its own options apart from the connection options;
+/// `--metrics-addr` takes `:PORT` and a host name; errors are JSON under `--json`.
+#[test]
+fn options_are_consistent_and_errors_follow_json() {
+    let (url, table) = (server().url(), unique_name("cli_options"));
+    // Durations: units everywhere, a bare number in the option's own unit.
+    let args = ["--ttl", "30s", "--write-every", "200ms", "--counter-key", "beat"];
+    let a = Holder::spawn("A", &url, &table, &args);
+    let epoch = a.acquired().int("epoch");
+    a.writes(0, 2);
+    a.stop("TERM", epoch);
+    let bad = run(&url, &table, &["hold", "--ttl", "30x"], None);
+    assert!(bad.expect(2, "--ttl 30x").stderr.contains("250ms, 30s, 5m, 1h"), "{bad:?}");
+
+    // PGFENCE_TABLE stands in for --table, which wins over it.
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put");
+    let mut command = Command::new(BIN);
+    for variable in pgfence::env::VARIABLES {
+        command.env_remove(variable);
+    }
+    let got = command
+        .args(["--database-url", &url, "get", "a", "b", "c"])
+        .env("PGFENCE_TABLE", &table)
+        .output()
+        .expect("run pgfence");
+    assert_eq!(got.stdout, b"v", "{got:?}");
+    let env = [("PGFENCE_TABLE", "not a table")];
+    let named = run_env(&url, &table, &["get", "a", "b", "c"], None, &env);
+    assert_eq!(named.expect(0, "--table wins").stdout, b"v");
+
+    // A bad variable is named as the variable; a bad option as the option.
+    let env = [("PGFENCE_POOL_MODE", "sesion")];
+    let bad = run_env(&url, &table, &["status"], None, &env);
+    assert!(bad.expect(2, "bad PGFENCE_POOL_MODE").stderr.contains("PGFENCE_POOL_MODE"), "{bad:?}");
+    let bad = run(&url, &table, &["--pool-mode", "sesion", "status"], None);
+    let stderr = &bad.expect(2, "bad --pool-mode").stderr;
+    assert!(stderr.contains("--pool-mode") && !stderr.contains("PGFENCE_POOL_MODE"), "{bad:?}");
+
+    // A mistyped option: the nearest of this command's options, or none.
+    let typo = run(&url, &table, &["hold", "--ttll", "3"], None);
+    assert!(typo.expect(2, "--ttll").stderr.contains("did you mean '--ttl'?"), "{typo:?}");
+    let typo = run(&url, &table, &["put", "a", "b", "c", "--alow-empty"], None);
+    let stderr = &typo.expect(2, "--alow-empty").stderr;
+    assert!(stderr.contains("did you mean '--allow-empty'?"), "{typo:?}");
+    let far = run(&url, &table, &["status", "--bogus"], None);
+    assert!(!far.expect(2, "--bogus").stderr.contains("did you mean"), "{far:?}");
+
+    // A command's help: its options first, the connection options under their own heading.
+    let help = run(&url, &table, &["hold", "--help"], None);
+    let help = help.expect(0, "hold --help").stdout();
+    let (own, rest) = help.split_once("Connection options:").expect("a connection heading");
+    assert!(own.contains("--ttl") && own.contains("--wait") && !own.contains("--database-url"));
+    assert!(rest.contains("--database-url") && !rest.contains("--ttl"), "{help}");
+
+    // Errors under --json: one JSON object on stderr, with the exit code.
+    let missing = run(&url, &unique_name("cli_options_none"), &["status", "--json"], None);
+    assert_eq!(missing.code, Some(6), "{missing:?}");
+    let error: Value = serde_json::from_str(missing.stderr.trim()).expect("a JSON error");
+    assert_eq!(error["exit_code"], 6, "{error}");
+    assert!(error["error"].as_str().unwrap().contains("no table"), "{error}");
+    let usage = run(&url, &table, &["--json", "status", "--bogus"], None);
+    let error: Value = serde_json::from_str(usage.stderr.trim()).expect("a JSON usage error");
+    assert_eq!((usage.code, error["exit_code"].as_i64()), (Some(2), Some(2)), "{usage:?}");
+
+    // --metrics-addr: every interface with :PORT; a host name.
+    for addr in [format!(":{}", free_port()), format!("localhost:{}", free_port())] {
+        let args = ["--ttl", "3", "--metrics-addr", &addr];
+        let m = Holder::spawn("M", &url, &table, &args);
+        let epoch = m.acquired().int("epoch");
+        let port = addr.rsplit_once(':').unwrap().1;
+        let (code, text) = curl(&format!("localhost:{port}"), "/metrics");
+        assert!(code == "200" && text.contains("pgfence_lease_held"), "{addr}: {code} {text}");
+        m.stop("TERM", epoch);
+    }
+    let bad = run(&url, &table, &["hold", "--metrics-addr", "9187"], None);
+    assert!(bad.expect(2, "--metrics-addr 9187").stderr.contains(":PORT"), "{bad:?}");
 }
 
 /// A port nothing listens on now (bound, then freed).

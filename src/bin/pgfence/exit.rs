@@ -2,8 +2,10 @@
 
 use std::io::{self, Write};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pgfence::Error;
+use serde_json::json;
 use tokio_postgres::error::SqlState;
 
 use crate::privileges::advice;
@@ -96,9 +98,17 @@ pub(crate) fn fail(exit: Exit) -> ExitCode {
     ExitCode::from(fail_code(exit))
 }
 
-/// Prints the error line and returns the exit code.
+/// Whether errors are printed as JSON (`--json`).
+pub(crate) static JSON: AtomicBool = AtomicBool::new(false);
+
+/// Prints the error line and returns the exit code. Under `--json` the line is a JSON object,
+/// `{"error": "...", "exit_code": N}`, still on stderr: stdout keeps the command's own output.
 pub(crate) fn fail_code(exit: Exit) -> u8 {
+    let line = match JSON.load(Ordering::Relaxed) {
+        true => json!({ "error": exit.message, "exit_code": exit.code }).to_string(),
+        false => format!("pgfence: {}", exit.message),
+    };
     // Nowhere left to report a failing stderr; the exit code still tells.
-    let _ = writeln!(io::stderr(), "pgfence: {}", exit.message);
+    let _ = writeln!(io::stderr(), "{line}");
     exit.code
 }
