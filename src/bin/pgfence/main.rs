@@ -48,6 +48,7 @@ Exit codes:
   5  lease lost (hold: taken over, force-released, or renewal failed)
   6  no such database or table (nothing was created: check --database-url and --table)
   7  audit: a violation of the guarantees was found
+  8  audit: the run did not exercise enough (a fault kind not injected, or no recovery seen)
 
 The connection: --database-url, else $DATABASE_URL, with libpq's environment filling what it
 leaves out (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGPASSFILE or ~/.pgpass, PGAPPNAME,
@@ -765,6 +766,7 @@ fn check_input(command: &Command) -> Result<(), Exit> {
         Command::Hold(args) => {
             args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
         }
+        Command::Audit(args) => audit::check_args(args)?,
         #[cfg(not(feature = "ldk-import"))]
         Command::Import { from_ldk_fs: Some(_), .. } => return Err(no_ldk_import()),
         _ => {}
