@@ -1910,6 +1910,56 @@ mod ldk_import {
         }
     }
 
+    /// What must not be imported unasked is refused before the lease is taken, with exit 2 and
+    /// nothing created: a node's storage directory instead of its `fs_store`, a directory that
+    /// is not an LDK store, a node's secret, an empty directory.
+    #[test]
+    fn from_ldk_fs_refuses_what_is_not_an_ldk_store_a_secret_or_nothing() {
+        let url = server().url();
+        let import = |dir: &TempDir, extra: &[&str], code: i32| {
+            let table = unique_name("cli_ldkfs_refused");
+            let args = [&["import", "--from-ldk-fs", dir.0.to_str().unwrap()][..], extra].concat();
+            let ran = run(&url, &table, &args, None);
+            ran.expect(code, &format!("{args:?}"));
+            if code != 0 {
+                run(&url, &table, &["status"], None).expect(6, "nothing was created");
+            }
+            (ran.stdout(), ran.stderr)
+        };
+        let temp = || TempDir(std::env::temp_dir().join(unique_name("cli_ldkfs_dir")));
+
+        // A node's storage directory: its store in fs_store, its seed beside it.
+        let node = temp();
+        fill(&FilesystemStore::new(node.0.join("fs_store")));
+        std::fs::write(node.0.join("keys_seed"), [7u8; 64]).unwrap();
+        let (_, stderr) = import(&node, &[], 2);
+        assert!(stderr.contains(node.0.join("fs_store").to_str().unwrap()), "{stderr}");
+
+        // A store with the seed among its keys, as LDK's sample node keeps it.
+        let sample = temp();
+        let store = FilesystemStore::new(sample.0.clone());
+        fill(&store);
+        store.write("", "", "keys_seed", vec![7; 32]).unwrap();
+        let (_, stderr) = import(&sample, &[], 2);
+        assert!(stderr.contains("keys_seed") && stderr.contains("--include-secrets"), "{stderr}");
+        let (stdout, _) = import(&sample, &["--include-secrets"], 0);
+        assert!(stdout.starts_with("imported 7 keys"), "{stdout}");
+
+        // Keys, but none of LDK's.
+        let other = temp();
+        FilesystemStore::new(other.0.clone()).write("payments", "", "abcdef", vec![1]).unwrap();
+        let (_, stderr) = import(&other, &[], 2);
+        assert!(stderr.contains("not an LDK store"), "{stderr}");
+
+        // Nothing at all.
+        let empty = temp();
+        std::fs::create_dir_all(&empty.0).unwrap();
+        let (_, stderr) = import(&empty, &[], 2);
+        assert!(stderr.contains("--allow-empty"), "{stderr}");
+        let (stdout, _) = import(&empty, &["--allow-empty"], 0);
+        assert!(stdout.starts_with("imported 0 keys"), "{stdout}");
+    }
+
     /// A missing directory is a usage error; `--force` needs `--from-ldk-fs`.
     #[test]
     fn from_ldk_fs_argument_errors() {
@@ -1918,6 +1968,12 @@ mod ldk_import {
         run(&url, &table, &["import", "--from-ldk-fs", missing.to_str().unwrap()], None)
             .expect(2, "missing directory");
         run(&url, &table, &["import", "--force"], None).expect(2, "--force alone");
+        run(&url, &table, &["import", "--include-secrets"], None).expect(2, "alone too");
+        // An empty export is refused too, unless asked.
+        let empty = run(&url, &table, &["import"], Some(b""));
+        assert!(empty.expect(2, "an empty import").stderr.contains("--allow-empty"), "{empty:?}");
+        let allowed = run(&url, &table, &["import", "--allow-empty"], Some(b""));
+        assert_eq!(allowed.expect(0, "an empty import, asked").stdout(), "imported 0 keys\n");
     }
 }
 

@@ -262,6 +262,14 @@ enum Command {
         /// overwritten, others kept).
         #[arg(long, requires = "from_ldk_fs")]
         force: bool,
+        /// With --from-ldk-fs: also move a node's secrets found in DIR (`keys_seed`, say),
+        /// which are refused otherwise.
+        #[arg(long, requires = "from_ldk_fs")]
+        include_secrets: bool,
+        /// Import nothing without an error when the input or DIR holds no key (refused
+        /// otherwise: a wrong file or directory is the likelier cause).
+        #[arg(long)]
+        allow_empty: bool,
     },
     /// Checks that fencing holds on this deployment: holder processes of its own write to a
     /// table of its own while it injects faults, then the data is checked. Exit 7 on a
@@ -660,10 +668,13 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
         Command::Doctor { read_only } => doctor::doctor(builder, &target, read_only, json).await,
-        Command::Import { from_ldk_fs: Some(dir), force, .. } => {
-            import_ldk_fs(builder, dir, force, json).await
+        Command::Import { from_ldk_fs: Some(dir), force, include_secrets, allow_empty, .. } => {
+            let asked = ImportAsked { force, include_secrets, allow_empty };
+            import_ldk_fs(builder, dir, asked, json).await
         }
-        Command::Import { input, .. } => import(builder, input, json).await,
+        Command::Import { input, allow_empty, .. } => {
+            import(builder, input, allow_empty, json).await
+        }
         Command::Audit(args) => audit::audit(builder, target, args, holder_env, json).await,
         Command::AuditHolder(args) => audit::holder(target, args).await,
     }
@@ -724,8 +735,24 @@ use crate::ldk_import::import_ldk_fs;
 
 /// Without the `ldk-import` feature, `check_input` refuses `--from-ldk-fs` before this.
 #[cfg(not(feature = "ldk-import"))]
-async fn import_ldk_fs(_: pgfence::Builder, _: PathBuf, _: bool, _: bool) -> Result<(), Exit> {
+async fn import_ldk_fs(
+    _: pgfence::Builder,
+    _: PathBuf,
+    _: ImportAsked,
+    _: bool,
+) -> Result<(), Exit> {
     Err(no_ldk_import())
+}
+
+/// What `import --from-ldk-fs` was asked to allow.
+#[cfg_attr(not(feature = "ldk-import"), allow(dead_code))]
+pub(crate) struct ImportAsked {
+    /// Into a table that holds keys.
+    pub(crate) force: bool,
+    /// A node's secrets too.
+    pub(crate) include_secrets: bool,
+    /// An empty directory.
+    pub(crate) allow_empty: bool,
 }
 
 #[cfg(not(feature = "ldk-import"))]
