@@ -220,7 +220,7 @@ enum Command {
         prefix: Option<String>,
     },
     /// Takes the lease and keeps it until SIGINT/SIGTERM, then releases it. Prints one JSON
-    /// line per event: waiting, acquired, write, lost, released.
+    /// line per event: waiting, retrying, acquired, write, lost, released.
     Hold(HoldArgs),
     /// Break-glass: expires the lease whoever holds it, so a standby can take over at once.
     /// The holder is fenced from its next write and fails closed. Needs --force --yes.
