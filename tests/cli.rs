@@ -2146,6 +2146,102 @@ fn options_are_consistent_and_errors_follow_json() {
     assert!(bad.expect(2, "--metrics-addr 9187").stderr.contains(":PORT"), "{bad:?}");
 }
 
+/// A running example, its stdout read line by line as it comes, each with when it was read.
+struct Running {
+    guard: Guard,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+impl Running {
+    fn spawn(name: &str, args: &[&str]) -> Running {
+        let mut command = Command::new(examples().join(name));
+        for variable in pgfence::env::VARIABLES {
+            command.env_remove(variable);
+        }
+        let mut child = command
+            .args(args)
+            .env("DATABASE_URL", server().url())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn example {name}: {e}"));
+        let out = child.stdout.take().expect("stdout");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let read = Arc::clone(&lines);
+        let reader = thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                read.lock().unwrap().push((Instant::now(), line));
+            }
+        });
+        Running { guard: Guard { name: name.to_owned(), child, readers: vec![reader] }, lines }
+    }
+
+    /// When the first line starting with `prefix` was read; fails after [`GUARD`].
+    fn wait_for(&self, prefix: &str) -> Instant {
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let lines = self.lines.lock().unwrap();
+            if let Some((at, _)) = lines.iter().find(|(_, line)| line.starts_with(prefix)) {
+                return *at;
+            }
+            assert!(Instant::now() < deadline, "{}: no {prefix:?} in {lines:?}", self.guard.name);
+            drop(lines);
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Issue 30, item 3: the failover example of docs/design.md is `examples/failover.rs`, which
+/// builds with the README's tokio features. Run twice, one becomes active and says so; SIGTERM
+/// (as systemd, Docker and Kubernetes send it) releases the lease, so the standby takes over
+/// at once rather than after the 30 s TTL; SIGTERM to a standby ends it too.
+#[test]
+fn the_failover_example_is_documented_and_stops_cleanly_on_sigterm() {
+    let example = include_str!("../examples/failover.rs");
+    let body = &example[example.find("use std::time::Duration;").expect("the program")..];
+    let design = include_str!("../docs/design.md");
+    assert!(design.contains(&format!("```rust,no_run\n{body}```")), "design.md shows the example");
+    // CI builds examples with every dev-dependency, whose tokio has every feature: so the
+    // README's tokio line is checked against what the program uses.
+    let readme = include_str!("../README.md");
+    let line = readme.lines().find(|l| l.starts_with("tokio = {")).expect("README's tokio line");
+    let mut needed = vec!["macros", "rt-multi-thread"];
+    if body.contains("tokio::signal") {
+        needed.push("signal");
+    }
+    for feature in needed {
+        assert!(line.contains(&format!("\"{feature}\"")), "README's tokio needs {feature}: {line}");
+    }
+
+    let table = unique_name("cli_failover_example");
+    let a = Running::spawn("failover", &[&table]);
+    a.wait_for("active: ");
+    let b = Running::spawn("failover", &[&table]);
+    b.wait_for("standing by: ");
+    let mut c = Running::spawn("failover", &[&table]);
+    c.wait_for("standing by: ");
+    // A standby ends at once, never having held the lease.
+    c.guard.signal("TERM");
+    assert_eq!(c.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "the standby exits 0");
+
+    let mut a = a;
+    let stopped = Instant::now();
+    a.guard.signal("TERM");
+    assert_eq!(a.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "A exits 0");
+    a.wait_for("shutting down: releasing the lease");
+    let active = b.wait_for("active: ");
+    let waited = active.saturating_duration_since(stopped);
+    assert!(waited < Duration::from_secs(10), "released, not expired (TTL 30 s): {waited:?}");
+    let mut b = b;
+    b.guard.signal("INT");
+    assert_eq!(b.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "B exits 0 on Ctrl-C");
+    query(
+        &server().config(),
+        &format!("DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\""),
+    );
+}
+
 /// A port nothing listens on now (bound, then freed).
 fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
