@@ -1392,6 +1392,12 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     };
     let fresh = report(&url, 0);
     assert_eq!(find(&fresh, "connection").0, "pass", "{fresh}");
+    // One space between words: no run of spaces from a broken line continuation.
+    for check in fresh["checks"].as_array().unwrap() {
+        assert!(!check["detail"].as_str().unwrap().contains("  "), "{check}");
+    }
+    let privileges = find(&fresh, "privileges").1;
+    assert!(privileges.ends_with("in schema public"), "the schema is named: {fresh}");
     assert_ne!(find(&fresh, "server version").0, "fail", "{fresh}");
     assert_eq!(find(&fresh, "privileges").0, "pass", "the administrator: {fresh}");
     let wal = find(&fresh, "wal timeline");

@@ -615,3 +615,22 @@ fn pooler_check(
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 13 to 18 pass, as the README and docs/deployments.md say; 10 to 12 and newer ones warn;
+    /// below 10 fails.
+    #[test]
+    fn supported_versions_pass() {
+        let status = |n| version_check(n, "x").status;
+        for n in [130_023, 150_018, 160_014, 170_010, 180_004] {
+            assert!(status(n) == Status::Pass, "{n}");
+        }
+        for n in [100_023, 120_022, 190_000] {
+            assert!(status(n) == Status::Warn, "{n}");
+        }
+        assert!(status(90_624) == Status::Fail);
+    }
+}
