@@ -20,7 +20,10 @@ pub(crate) const HOOK_TIMED_OUT: &str =
 ///
 /// Converts into [`std::io::Error`] with meaningful kinds: `NotFound`, `AlreadyExists` (lease
 /// held), `PermissionDenied` (lease lost), `InvalidInput` (bad key, value or configuration).
-#[derive(Debug, thiserror::Error)]
+///
+/// `{:?}` shows the message and its causes, as a person reads them: `main` returning
+/// `Result<(), pgfence::Error>` prints that. `{:#?}` shows the variant and its fields.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// Another live store holds the lease; nothing was changed.
@@ -203,6 +206,113 @@ pub enum Error {
         /// The pool mode detected: `"transaction"` (PgBouncer's `statement` mode looks alike).
         pool_mode: &'static str,
     },
+}
+
+/// Written by hand, not derived: `main` returning `Err` prints the `Debug` form, and the
+/// derived one buries the message in nested structs. The alternate form, `{:#?}`, is what
+/// the derive would print.
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !f.alternate() {
+            // Like anyhow's: the message, then each cause whose text is not already shown
+            // (the driver's errors repeat their cause in their own message). A server's error
+            // also shows its SQLSTATE, which its message leaves out.
+            let mut shown = self.to_string();
+            f.write_str(&shown)?;
+            let mut source = std::error::Error::source(self);
+            let mut n = 0;
+            while let Some(cause) = source {
+                let text = cause.to_string();
+                if !shown.contains(&text) {
+                    if n == 0 {
+                        f.write_str("\n\nCaused by:")?;
+                    }
+                    write!(f, "\n    {n}: {}", text.replace('\n', "\n       "))?;
+                    let driver = cause.downcast_ref::<tokio_postgres::Error>();
+                    if let Some(code) = driver.and_then(tokio_postgres::Error::code) {
+                        write!(f, " (SQLSTATE {})", code.code())?;
+                    }
+                    n += 1;
+                    shown.push_str(&text);
+                }
+                source = cause.source();
+            }
+            return Ok(());
+        }
+        match self {
+            Error::LeaseHeld { table, holder, epoch, expires_in } => f
+                .debug_struct("LeaseHeld")
+                .field("table", table)
+                .field("holder", holder)
+                .field("epoch", epoch)
+                .field("expires_in", expires_in)
+                .finish(),
+            Error::LeaseLost { epoch, reason } => {
+                f.debug_struct("LeaseLost").field("epoch", epoch).field("reason", reason).finish()
+            }
+            Error::NotFound(key) => f.debug_tuple("NotFound").field(key).finish(),
+            Error::InvalidKey { what, value, reason } => f
+                .debug_struct("InvalidKey")
+                .field("what", what)
+                .field("value", value)
+                .field("reason", reason)
+                .finish(),
+            Error::InvalidConfig { field, reason } => f
+                .debug_struct("InvalidConfig")
+                .field("field", field)
+                .field("reason", reason)
+                .finish(),
+            Error::ValueTooLarge { len, max } => {
+                f.debug_struct("ValueTooLarge").field("len", len).field("max", max).finish()
+            }
+            Error::BatchTooLarge { len, max } => {
+                f.debug_struct("BatchTooLarge").field("len", len).field("max", max).finish()
+            }
+            Error::SchemaTooNew { table, found, supported } => f
+                .debug_struct("SchemaTooNew")
+                .field("table", table)
+                .field("found", found)
+                .field("supported", supported)
+                .finish(),
+            Error::Closed => f.write_str("Closed"),
+            Error::Database { operation, source } => f
+                .debug_struct("Database")
+                .field("operation", operation)
+                .field("source", source)
+                .finish(),
+            Error::Connect { operation, server, step, source } => f
+                .debug_struct("Connect")
+                .field("operation", operation)
+                .field("server", server)
+                .field("step", step)
+                .field("source", source)
+                .finish(),
+            Error::PermissionDenied { operation, privilege, grant, source } => f
+                .debug_struct("PermissionDenied")
+                .field("operation", operation)
+                .field("privilege", privilege)
+                .field("grant", grant)
+                .field("source", source)
+                .finish(),
+            Error::Pool { operation, source } => f
+                .debug_struct("Pool")
+                .field("operation", operation)
+                .field("source", source)
+                .finish(),
+            Error::Runtime { source } => f.debug_struct("Runtime").field("source", source).finish(),
+            Error::Timeout { operation, after } => f
+                .debug_struct("Timeout")
+                .field("operation", operation)
+                .field("after", after)
+                .finish(),
+            Error::PoolerModeUnsupported { pool_mode } => {
+                f.debug_struct("PoolerModeUnsupported").field("pool_mode", pool_mode).finish()
+            }
+            // A variant added without an arm here still shows its message.
+            #[allow(unreachable_patterns)]
+            _ => f.debug_tuple("Error").field(&format_args!("{self}")).finish(),
+        }
+    }
 }
 
 /// Why a store considers its lease lost. Carried by [`Error::LeaseLost`] and

@@ -202,9 +202,20 @@ async fn prepare(
             create_schema(tx, table).await?;
         }
     }
-    tx.batch_execute(&statements.create_version_table.sql)
-        .await
-        .map_err(Error::db("create version table"))?;
+    // Looked for first, as the schema is. PostgreSQL checks CREATE on the schema before it
+    // looks at IF NOT EXISTS. So a role that may only use the tables an administrator created
+    // could not open the store if this ran every time.
+    let (exists, types) = (sql::TABLE_EXISTS, sql::TABLE_EXISTS_TYPES);
+    let version_table: Option<String> =
+        (mode.query_one(tx, exists, types, &[&table.quoted("_schema_version")]))
+            .await
+            .map_err(Error::db("look for the version table"))?
+            .get(0);
+    if version_table.is_none() {
+        tx.batch_execute(&statements.create_version_table.sql)
+            .await
+            .map_err(Error::db("create version table"))?;
+    }
     let version = &statements.schema_version;
     let found: i32 = (mode.query_one(tx, &version.sql, version.types, &[]).await)
         .map_err(Error::db("read schema version"))?

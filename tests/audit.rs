@@ -139,18 +139,36 @@ fn violations(report: &Value) -> Vec<String> {
         .collect()
 }
 
-/// The clean run's checks: no violation, the lease moved, writes were checked, faults of
-/// several kinds were injected, and nothing is left behind.
+/// The clean run's checks: no violation, the lease moved, writes were checked, every fault kind
+/// was injected and recovered from, and nothing is left behind.
 fn assert_clean(code: Option<i32>, report: &Value, stderr: &str) {
     assert_eq!(violations(report), Vec::<String>::new(), "{report}");
+    assert_eq!(report["coverage"]["ok"], true, "{report}");
     assert_eq!(code, Some(0), "{stderr}");
     assert!(report["acquisitions"].as_u64().unwrap() >= 2, "{report}");
     assert!(report["writes_acknowledged"].as_u64().unwrap() >= 100, "{report}");
     let faults = report["faults"].as_object().expect("faults");
-    let injected: u64 = faults.values().map(|f| f["injected"].as_u64().unwrap()).sum();
-    assert!(faults.len() >= 2 && injected >= 3, "{report}");
+    for kind in ["stop", "kill", "term", "backend", "cut"] {
+        let fault = &faults[kind];
+        assert!(fault["injected"].as_u64().unwrap() >= 1, "{kind}: {report}");
+        assert_eq!(fault["covered"], true, "{kind}: {report}");
+    }
     assert!(report["snapshots"].as_u64().unwrap() >= 100, "{report}");
     assert_cleaned_up(report["table"].as_str().unwrap());
+}
+
+/// A run too short for its fault kinds is refused before anything runs (exit 2): a mistyped
+/// `--duration` must not pass a CI job. Nothing is created.
+#[test]
+fn an_audit_too_short_to_exercise_anything_is_refused() {
+    for duration in ["0", "0s", "5s"] {
+        let (code, stdout, stderr) =
+            Auditor::start(&server().url(), &["--duration", duration, "--ttl", "2"])
+                .finish(Duration::from_secs(30));
+        assert_eq!(code, Some(2), "--duration {duration}: {stderr}");
+        assert!(stdout.is_empty() && stderr.contains("too short"), "{stderr}");
+        assert!(!stderr.contains("audit seed"), "nothing ran: {stderr}");
+    }
 }
 
 #[test]

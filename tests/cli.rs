@@ -138,13 +138,19 @@ impl Ran {
         String::from_utf8_lossy(&self.stdout).into_owned()
     }
 
-    /// Exit `code`, and on failure exactly one `pgfence: ...` line on stderr.
+    /// Exit `code`, and on failure exactly one `pgfence: ...` line on stderr, or under
+    /// `--json` one JSON object with the error and that code.
     fn expect(&self, code: i32, what: &str) -> &Ran {
         assert_eq!(self.code, Some(code), "{what}: {self:?}");
         if code != 0 {
             let lines: Vec<&str> = self.stderr.lines().collect();
+            let json = |line: &str| {
+                serde_json::from_str::<Value>(line).is_ok_and(|error| {
+                    error["error"].is_string() && error["exit_code"].as_i64() == Some(code.into())
+                })
+            };
             assert!(
-                lines.len() == 1 && lines[0].starts_with("pgfence: "),
+                lines.len() == 1 && (lines[0].starts_with("pgfence: ") || json(lines[0])),
                 "{what}: one error line expected: {:?}",
                 self.stderr
             );
@@ -717,6 +723,10 @@ fn database_restart_within_the_deadline_keeps_the_lease() {
 
     let events = a.events();
     assert!(events.iter().all(|e| e.kind() != "lost"), "{events:?}");
+    // The retries while the server was away reach a JSON reader too, not only the log.
+    let retrying = events.iter().find(|e| e.kind() == "retrying").expect("a retrying event");
+    assert_eq!(retrying.int("epoch"), epoch, "{events:?}");
+    assert!(retrying.json["error"].as_str().is_some_and(|e| !e.is_empty()), "{events:?}");
     let writes = events[..=last].iter().filter(|e| e.kind() == "write");
     assert!(writes.clone().all(|e| e.int("epoch") == epoch), "{events:?}");
     let counters: Vec<i64> = writes.map(|e| e.int("counter")).collect();
@@ -753,6 +763,11 @@ fn force_release_fences_a_live_holder() {
     let (at, lost) = a.wait_for(0, "lost", |_| true);
     assert_eq!(lost.int("epoch"), a_epoch);
     assert_eq!(at, a.events().len() - 1, "lost is A's last word: {:?}", a.events());
+    // Named as what it was, though B took the lease at once.
+    assert_eq!(lost.json["cause"], "force_released", "{}", lost.json);
+    let reason = lost.json["reason"].as_str().unwrap_or_default();
+    assert!(reason.starts_with("force-released") && reason.contains("release --force"), "{reason}");
+    assert!(a.stderr().contains("force-released"), "{}", a.stderr());
     let b_epoch = b.acquired().int("epoch");
     assert_eq!(b_epoch, a_epoch + 1);
     b.stop("TERM", b_epoch);
@@ -1092,6 +1107,22 @@ fn put_reads_stdin_only_when_the_value_is_a_dash() {
     assert_eq!(get("--value-file FILE"), b"\x00from a file\xff");
     let both = ["put", key[0], key[1], key[2], "v", "--value-file", file.to_str().unwrap()];
     run(&url, &table, &both, None).expect(2, "VALUE and --value-file");
+    // An empty value blanks nothing unless asked: from stdin, from an argument, from a file.
+    let empty = dir.join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let empty_file = ["put", key[0], key[1], key[2], "--value-file", empty.to_str().unwrap()];
+    let dash = ["put", key[0], key[1], key[2], "-"];
+    let argument = ["put", key[0], key[1], key[2], ""];
+    let cases: [(&[&str], Option<&[u8]>); 3] =
+        [(&dash, Some(b"")), (&argument, None), (&empty_file, None)];
+    for (args, stdin) in cases {
+        let ran = run(&url, &table, args, stdin);
+        assert!(ran.expect(2, "an empty value").stderr.contains("--allow-empty"), "{ran:?}");
+    }
+    assert_eq!(get("after the refused empty values"), b"\x00from a file\xff");
+    run(&url, &table, &[&dash[..], &["--allow-empty"]].concat(), Some(b"")).expect(0, "asked");
+    assert_eq!(get("an empty value, asked for"), b"");
+    run(&url, &table, &from_file, None).expect(0, "--value-file FILE");
     let missing = dir.join("missing");
     let unreadable = ["put", key[0], key[1], key[2], "--value-file", missing.to_str().unwrap()];
     run(&url, &table, &unreadable, None).expect(2, "--value-file of a missing file");
@@ -1361,6 +1392,12 @@ fn doctor_checks_the_deployment_and_creates_nothing() {
     };
     let fresh = report(&url, 0);
     assert_eq!(find(&fresh, "connection").0, "pass", "{fresh}");
+    // One space between words: no run of spaces from a broken line continuation.
+    for check in fresh["checks"].as_array().unwrap() {
+        assert!(!check["detail"].as_str().unwrap().contains("  "), "{check}");
+    }
+    let privileges = find(&fresh, "privileges").1;
+    assert!(privileges.ends_with("in schema public"), "the schema is named: {fresh}");
     assert_ne!(find(&fresh, "server version").0, "fail", "{fresh}");
     assert_eq!(find(&fresh, "privileges").0, "pass", "the administrator: {fresh}");
     let wal = find(&fresh, "wal timeline");
@@ -1469,10 +1506,23 @@ fn commands_through_a_transaction_pooler_with_pool_mode_transaction() {
     let pooler = checks.iter().find(|c| c["check"] == "pooler").expect("a pooler check");
     assert_eq!(pooler["status"], "pass", "{report}");
     assert!(pooler["detail"].as_str().unwrap().contains("--pool-mode transaction"), "{report}");
-    // The session mode (the default) refuses the same pooler.
+    // The session mode (the default) refuses the same pooler, in the CLI's words.
     let refused = run(&url, &table, &["put", "n", "s", "k", "w"], None);
     assert_ne!(refused.code, Some(0), "{:?}", refused.stderr);
-    assert!(refused.stderr.contains("PoolMode::Transaction"), "{:?}", refused.stderr);
+    assert!(refused.stderr.contains("--pool-mode transaction"), "{:?}", refused.stderr);
+    assert!(!refused.stderr.contains("Builder::"), "{:?}", refused.stderr);
+
+    // A standby behind it looks at the lease every second, and prints `waiting` once: the
+    // state did not change.
+    let a = Holder::spawn("A", &url, &table, &mode);
+    let epoch = a.acquired().int("epoch");
+    let w = Holder::spawn("W", &url, &table, &[&mode[..], &["--wait"]].concat());
+    w.wait_for(0, "waiting", |e| e.int("epoch") == epoch);
+    thread::sleep(Duration::from_secs(3));
+    assert_eq!(w.events().len(), 1, "one waiting line: {:?}", w.events());
+    a.stop("TERM", epoch);
+    let next = w.acquired().int("epoch");
+    w.stop("TERM", next);
 }
 
 /// How the server names a connection's missing encryption when pg_hba.conf refuses it:
@@ -1576,10 +1626,185 @@ fn a_permission_error_names_the_grant() {
     let table = format!("{schema}.t");
     let denied = run(&url, &table, &["put", "a", "b", "c", "v"], None);
     denied.expect(1, "put without CREATE on the schema");
-    let grant = format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {PASSWORD_ROLE}");
-    assert!(denied.stderr.contains(&grant), "{denied:?}");
-    query(&server().config(), &grant);
+    // It cannot see whether the tables exist, so it names both grants.
+    for right in ["USAGE", "CREATE"] {
+        let grant = format!("GRANT {right} ON SCHEMA {schema} TO {PASSWORD_ROLE}");
+        assert!(denied.stderr.contains(&grant), "{denied:?}");
+    }
+    query(
+        &server().config(),
+        &format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {PASSWORD_ROLE}"),
+    );
     run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put once granted");
+}
+
+/// The SQL block of docs/deployments.md under `heading`, one statement a line, for schema
+/// `schema`, table `kv` and role `role` (the docs write `app`, `node_state`, `svc`, `reader`).
+fn documented_grants(heading: &str, schema: &str, kv: &str, role: &str) -> Vec<String> {
+    let docs = include_str!("../docs/deployments.md");
+    let section = docs.split(heading).nth(1).unwrap_or_else(|| panic!("no {heading:?}"));
+    let block = section.split("```sql\n").nth(1).and_then(|rest| rest.split("```").next());
+    let block = block.unwrap_or_else(|| panic!("no SQL block under {heading:?}"));
+    block
+        .lines()
+        .map(|line| {
+            line.replace("app.node_state", &format!("{schema}.{kv}"))
+                .replace("SCHEMA app ", &format!("SCHEMA {schema} "))
+                .replace(" TO svc;", &format!(" TO {role};"))
+                .replace(" TO reader;", &format!(" TO {role};"))
+        })
+        .collect()
+}
+
+/// A key-value connection string of the test server's database for `role`, which logs in
+/// without a password (the test cluster trusts local connections).
+fn url_for_role(role: &str) -> String {
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let dbname = server().config().get_dbname().unwrap_or("postgres").to_owned();
+    format!("host={} port={} user={role} dbname={dbname}", addr.ip(), addr.port())
+}
+
+/// The status and detail of check `name` of a `doctor --json` report.
+fn doctor_check(report: &Value, name: &str) -> (String, String) {
+    let checks = report["checks"].as_array().expect("checks");
+    let c =
+        checks.iter().find(|c| c["check"] == name).unwrap_or_else(|| panic!("{name}: {report}"));
+    (c["status"].as_str().unwrap().to_owned(), c["detail"].as_str().unwrap().to_owned())
+}
+
+/// Issue 30, item 1: a schema owned by one role and used by others. The owner creates the
+/// tables as docs/deployments.md says; the application's role, with only the documented
+/// grants, puts, removes, holds, renews, releases and waits as a standby; a read-only role runs
+/// every read command. `doctor` agrees with what happens in each case, and a missing right is
+/// named by the same `GRANT` in the command's error and in `doctor`.
+#[test]
+fn least_privilege_roles_agree_with_doctor() {
+    let schema = unique_name("cli_priv");
+    let [owner, app, reader] = ["owner", "app", "reader"].map(|r| unique_name(&format!("cli_{r}")));
+    let admin = server().config();
+    for sql in [
+        format!("CREATE ROLE {owner} LOGIN"),
+        format!("CREATE ROLE {app} LOGIN"),
+        format!("CREATE ROLE {reader} LOGIN"),
+        format!("CREATE SCHEMA {schema} AUTHORIZATION {owner}"),
+    ] {
+        query(&admin, &sql);
+    }
+    let table = format!("{schema}.node_state");
+    let (owner_url, app_url, reader_url) =
+        (url_for_role(&owner), url_for_role(&app), url_for_role(&reader));
+    let doctor = |url: &str, args: &[&str], code: i32| -> Value {
+        let args: Vec<&str> = ["doctor", "--json"].iter().chain(args).copied().collect();
+        let ran = run(url, &table, &args, None);
+        serde_json::from_slice(&ran.expect(code, "doctor --json").stdout).expect("one JSON object")
+    };
+    // The owner, not a superuser, may create tables in its schema. Unqualified, a name lives in
+    // the first schema of the search path, which doctor names (it once passed the text
+    // "current_schema()" as the schema's name).
+    query(&admin, &format!("ALTER ROLE {owner} SET search_path = {schema}"));
+    let fresh = unique_name("cli_priv_fresh");
+    let ran = run(&owner_url, &fresh, &["doctor", "--json"], None);
+    let report: Value = serde_json::from_slice(&ran.expect(0, "doctor").stdout).unwrap();
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(status == "pass" && detail.ends_with(&format!("in schema {schema}")), "{report}");
+    run(&owner_url, &table, &["rm", "pgfence", "setup", "init"], None)
+        .expect(0, "the owner creates");
+    run(&owner_url, &table, &["put", "app", "cfg", "greeting", "hello"], None).expect(0, "put");
+
+    // Nothing granted yet: doctor and put name the same first grant.
+    let usage = format!("GRANT USAGE ON SCHEMA {schema} TO {app}");
+    let report = doctor(&app_url, &[], 1);
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(status == "fail" && detail.contains(&usage), "{report}");
+    let put = run(&app_url, &table, &["put", "app", "cfg", "k", "v"], None);
+    assert!(put.expect(1, "put without grants").stderr.contains(&usage), "{put:?}");
+
+    // The documented grants, less INSERT on the lease table: both name that table.
+    let grants =
+        documented_grants("### Tables an administrator created", &schema, "node_state", &app);
+    let lease = format!("{schema}.node_state_lease");
+    let short = format!("GRANT SELECT, UPDATE ON {lease} TO {app};");
+    for grant in &grants {
+        let grant =
+            grant.replace(&format!("GRANT SELECT, INSERT, UPDATE ON {lease} TO {app};"), &short);
+        query(&admin, &grant);
+    }
+    let report = doctor(&app_url, &[], 1);
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(
+        status == "fail" && detail.contains(&format!("GRANT INSERT ON {lease} TO {app}")),
+        "{report}"
+    );
+    let put = run(&app_url, &table, &["put", "app", "cfg", "k", "v"], None);
+    let needed = format!("GRANT SELECT, INSERT, UPDATE ON {lease} TO {app}");
+    assert!(put.expect(1, "put without INSERT").stderr.contains(&needed), "{put:?}");
+    assert!(!put.stderr.contains("during"), "the command's words, not the library's: {put:?}");
+
+    // All of them: doctor passes the role, and everything a writer does works.
+    for grant in &grants {
+        query(&admin, grant);
+    }
+    let report = doctor(&app_url, &[], 0);
+    assert_eq!(doctor_check(&report, "privileges").0, "pass", "{report}");
+    assert_eq!(doctor_check(&report, "schema version").0, "pass", "{report}");
+    run(&app_url, &table, &["put", "app", "cfg", "k", "v"], None).expect(0, "put");
+    run(&app_url, &table, &["rm", "app", "cfg", "k"], None).expect(0, "rm");
+    let a = Holder::spawn(
+        "A",
+        &app_url,
+        &table,
+        &["--ttl", "3", "--write-every", "200", "--counter-key", "beat"],
+    );
+    let epoch = a.acquired().int("epoch");
+    let b = Holder::spawn("B", &app_url, &table, &["--ttl", "3", "--wait"]);
+    b.wait_for(0, "waiting", |e| e.int("epoch") == epoch);
+    // Past two renewals (every second at TTL 3 s), still writing.
+    thread::sleep(Duration::from_secs(3));
+    a.writes(0, 3);
+    a.stop("TERM", epoch);
+    let next = b.acquired().int("epoch");
+    assert_eq!(next, epoch + 1);
+    b.stop("TERM", next);
+
+    // The read-only role: the read commands work with SELECT alone, doctor --read-only passes
+    // it, doctor (for a writer) fails it, and put names the grant it lacks.
+    for grant in documented_grants("### Read-only roles", &schema, "node_state", &reader) {
+        query(&admin, &grant);
+    }
+    let listed = run(&reader_url, &table, &["ls"], None);
+    assert!(listed.expect(0, "ls").stdout().contains("app/cfg/greeting"), "{listed:?}");
+    run(&reader_url, &table, &["ls", "app", "cfg"], None).expect(0, "ls NS SUB");
+    let got = run(&reader_url, &table, &["get", "app", "cfg", "greeting"], None);
+    assert_eq!(got.expect(0, "get").stdout, b"hello");
+    let status = run(&reader_url, &table, &["status"], None);
+    assert!(status.expect(0, "status").stdout().starts_with("free"), "{status:?}");
+    let exported = run(&reader_url, &table, &["export"], None);
+    assert!(exported.expect(0, "export").stdout().contains("greeting"), "{exported:?}");
+    let report = doctor(&reader_url, &["--read-only"], 0);
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(status == "pass" && detail.contains("may read"), "{report}");
+    let report = doctor(&reader_url, &[], 1);
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(status == "fail" && detail.contains("doctor --read-only"), "{report}");
+    let put = run(&reader_url, &table, &["put", "app", "cfg", "k", "v"], None);
+    // The first right it lacks: opening reads the version table first.
+    let version = format!("{schema}.node_state_schema_version");
+    let needed = format!("put needs SELECT on table {version}; fix: GRANT SELECT ON {version}");
+    assert!(put.expect(1, "a reader's put").stderr.contains(&needed), "{put:?}");
+
+    // Without SELECT on the lease table, status names exactly that grant, and ls still works.
+    query(&admin, &format!("REVOKE SELECT ON {lease} FROM {reader}"));
+    let status = run(&reader_url, &table, &["status"], None);
+    let needed =
+        format!("status needs SELECT on table {lease}; fix: GRANT SELECT ON {lease} TO {reader}");
+    assert!(status.expect(1, "status without SELECT").stderr.contains(&needed), "{status:?}");
+    let report = doctor(&reader_url, &["--read-only"], 1);
+    let (status, detail) = doctor_check(&report, "privileges");
+    assert!(
+        status == "fail" && detail.contains(&format!("GRANT SELECT ON {lease} TO {reader}")),
+        "{report}"
+    );
+    run(&reader_url, &table, &["ls"], None).expect(0, "ls without the lease table");
 }
 
 /// `import --from-ldk-fs`: an LDK FilesystemStore, v1 or v2 layout, moved into a table.
@@ -1691,6 +1916,56 @@ mod ldk_import {
         }
     }
 
+    /// What must not be imported unasked is refused before the lease is taken, with exit 2 and
+    /// nothing created: a node's storage directory instead of its `fs_store`, a directory that
+    /// is not an LDK store, a node's secret, an empty directory.
+    #[test]
+    fn from_ldk_fs_refuses_what_is_not_an_ldk_store_a_secret_or_nothing() {
+        let url = server().url();
+        let import = |dir: &TempDir, extra: &[&str], code: i32| {
+            let table = unique_name("cli_ldkfs_refused");
+            let args = [&["import", "--from-ldk-fs", dir.0.to_str().unwrap()][..], extra].concat();
+            let ran = run(&url, &table, &args, None);
+            ran.expect(code, &format!("{args:?}"));
+            if code != 0 {
+                run(&url, &table, &["status"], None).expect(6, "nothing was created");
+            }
+            (ran.stdout(), ran.stderr)
+        };
+        let temp = || TempDir(std::env::temp_dir().join(unique_name("cli_ldkfs_dir")));
+
+        // A node's storage directory: its store in fs_store, its seed beside it.
+        let node = temp();
+        fill(&FilesystemStore::new(node.0.join("fs_store")));
+        std::fs::write(node.0.join("keys_seed"), [7u8; 64]).unwrap();
+        let (_, stderr) = import(&node, &[], 2);
+        assert!(stderr.contains(node.0.join("fs_store").to_str().unwrap()), "{stderr}");
+
+        // A store with the seed among its keys, as LDK's sample node keeps it.
+        let sample = temp();
+        let store = FilesystemStore::new(sample.0.clone());
+        fill(&store);
+        store.write("", "", "keys_seed", vec![7; 32]).unwrap();
+        let (_, stderr) = import(&sample, &[], 2);
+        assert!(stderr.contains("keys_seed") && stderr.contains("--include-secrets"), "{stderr}");
+        let (stdout, _) = import(&sample, &["--include-secrets"], 0);
+        assert!(stdout.starts_with("imported 7 keys"), "{stdout}");
+
+        // Keys, but none of LDK's.
+        let other = temp();
+        FilesystemStore::new(other.0.clone()).write("payments", "", "abcdef", vec![1]).unwrap();
+        let (_, stderr) = import(&other, &[], 2);
+        assert!(stderr.contains("not an LDK store"), "{stderr}");
+
+        // Nothing at all.
+        let empty = temp();
+        std::fs::create_dir_all(&empty.0).unwrap();
+        let (_, stderr) = import(&empty, &[], 2);
+        assert!(stderr.contains("--allow-empty"), "{stderr}");
+        let (stdout, _) = import(&empty, &["--allow-empty"], 0);
+        assert!(stdout.starts_with("imported 0 keys"), "{stdout}");
+    }
+
     /// A missing directory is a usage error; `--force` needs `--from-ldk-fs`.
     #[test]
     fn from_ldk_fs_argument_errors() {
@@ -1699,6 +1974,12 @@ mod ldk_import {
         run(&url, &table, &["import", "--from-ldk-fs", missing.to_str().unwrap()], None)
             .expect(2, "missing directory");
         run(&url, &table, &["import", "--force"], None).expect(2, "--force alone");
+        run(&url, &table, &["import", "--include-secrets"], None).expect(2, "alone too");
+        // An empty export is refused too, unless asked.
+        let empty = run(&url, &table, &["import"], Some(b""));
+        assert!(empty.expect(2, "an empty import").stderr.contains("--allow-empty"), "{empty:?}");
+        let allowed = run(&url, &table, &["import", "--allow-empty"], Some(b""));
+        assert_eq!(allowed.expect(0, "an empty import, asked").stdout(), "imported 0 keys\n");
     }
 }
 
@@ -1789,6 +2070,182 @@ fn examples_answer_help_and_leave_no_tables_on_a_given_server() {
     assert!(bench.stderr.starts_with("warning: a debug build"), "{bench:?}");
     assert!(bench.stdout().contains("--release"), "the table says so too: {bench:?}");
     assert_eq!(tables_named("bench"), before, "bench left its tables");
+}
+
+/// Issue 30, item 2: the options are consistent. One duration syntax; `--table` from
+/// `PGFENCE_TABLE`; a bad variable named as the variable; a mistyped option gets a
+/// suggestion; a command's help lists its own options apart from the connection options;
+/// `--metrics-addr` takes `:PORT` and a host name; errors are JSON under `--json`.
+#[test]
+fn options_are_consistent_and_errors_follow_json() {
+    let (url, table) = (server().url(), unique_name("cli_options"));
+    // Durations: units everywhere, a bare number in the option's own unit.
+    let args = ["--ttl", "30s", "--write-every", "200ms", "--counter-key", "beat"];
+    let a = Holder::spawn("A", &url, &table, &args);
+    let epoch = a.acquired().int("epoch");
+    a.writes(0, 2);
+    a.stop("TERM", epoch);
+    let bad = run(&url, &table, &["hold", "--ttl", "30x"], None);
+    assert!(bad.expect(2, "--ttl 30x").stderr.contains("250ms, 30s, 5m, 1h"), "{bad:?}");
+
+    // PGFENCE_TABLE stands in for --table, which wins over it.
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put");
+    let mut command = Command::new(BIN);
+    for variable in pgfence::env::VARIABLES {
+        command.env_remove(variable);
+    }
+    let got = command
+        .args(["--database-url", &url, "get", "a", "b", "c"])
+        .env("PGFENCE_TABLE", &table)
+        .output()
+        .expect("run pgfence");
+    assert_eq!(got.stdout, b"v", "{got:?}");
+    let env = [("PGFENCE_TABLE", "not a table")];
+    let named = run_env(&url, &table, &["get", "a", "b", "c"], None, &env);
+    assert_eq!(named.expect(0, "--table wins").stdout, b"v");
+
+    // A bad variable is named as the variable; a bad option as the option.
+    let env = [("PGFENCE_POOL_MODE", "sesion")];
+    let bad = run_env(&url, &table, &["status"], None, &env);
+    assert!(bad.expect(2, "bad PGFENCE_POOL_MODE").stderr.contains("PGFENCE_POOL_MODE"), "{bad:?}");
+    let bad = run(&url, &table, &["--pool-mode", "sesion", "status"], None);
+    let stderr = &bad.expect(2, "bad --pool-mode").stderr;
+    assert!(stderr.contains("--pool-mode") && !stderr.contains("PGFENCE_POOL_MODE"), "{bad:?}");
+
+    // A mistyped option: the nearest of this command's options, or none.
+    let typo = run(&url, &table, &["hold", "--ttll", "3"], None);
+    assert!(typo.expect(2, "--ttll").stderr.contains("did you mean '--ttl'?"), "{typo:?}");
+    let typo = run(&url, &table, &["put", "a", "b", "c", "--alow-empty"], None);
+    let stderr = &typo.expect(2, "--alow-empty").stderr;
+    assert!(stderr.contains("did you mean '--allow-empty'?"), "{typo:?}");
+    let far = run(&url, &table, &["status", "--bogus"], None);
+    assert!(!far.expect(2, "--bogus").stderr.contains("did you mean"), "{far:?}");
+
+    // A command's help: its options first, the connection options under their own heading.
+    let help = run(&url, &table, &["hold", "--help"], None);
+    let help = help.expect(0, "hold --help").stdout();
+    let (own, rest) = help.split_once("Connection options:").expect("a connection heading");
+    assert!(own.contains("--ttl") && own.contains("--wait") && !own.contains("--database-url"));
+    assert!(rest.contains("--database-url") && !rest.contains("--ttl"), "{help}");
+
+    // Errors under --json: one JSON object on stderr, with the exit code.
+    let missing = run(&url, &unique_name("cli_options_none"), &["status", "--json"], None);
+    assert_eq!(missing.code, Some(6), "{missing:?}");
+    let error: Value = serde_json::from_str(missing.stderr.trim()).expect("a JSON error");
+    assert_eq!(error["exit_code"], 6, "{error}");
+    assert!(error["error"].as_str().unwrap().contains("no table"), "{error}");
+    let usage = run(&url, &table, &["--json", "status", "--bogus"], None);
+    let error: Value = serde_json::from_str(usage.stderr.trim()).expect("a JSON usage error");
+    assert_eq!((usage.code, error["exit_code"].as_i64()), (Some(2), Some(2)), "{usage:?}");
+
+    // --metrics-addr: every interface with :PORT; a host name.
+    for addr in [format!(":{}", free_port()), format!("localhost:{}", free_port())] {
+        let args = ["--ttl", "3", "--metrics-addr", &addr];
+        let m = Holder::spawn("M", &url, &table, &args);
+        let epoch = m.acquired().int("epoch");
+        let port = addr.rsplit_once(':').unwrap().1;
+        let (code, text) = curl(&format!("localhost:{port}"), "/metrics");
+        assert!(code == "200" && text.contains("pgfence_lease_held"), "{addr}: {code} {text}");
+        m.stop("TERM", epoch);
+    }
+    let bad = run(&url, &table, &["hold", "--metrics-addr", "9187"], None);
+    assert!(bad.expect(2, "--metrics-addr 9187").stderr.contains(":PORT"), "{bad:?}");
+}
+
+/// A running example, its stdout read line by line as it comes, each with when it was read.
+struct Running {
+    guard: Guard,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+impl Running {
+    fn spawn(name: &str, args: &[&str]) -> Running {
+        let mut command = Command::new(examples().join(name));
+        for variable in pgfence::env::VARIABLES {
+            command.env_remove(variable);
+        }
+        let mut child = command
+            .args(args)
+            .env("DATABASE_URL", server().url())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn example {name}: {e}"));
+        let out = child.stdout.take().expect("stdout");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let read = Arc::clone(&lines);
+        let reader = thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                read.lock().unwrap().push((Instant::now(), line));
+            }
+        });
+        Running { guard: Guard { name: name.to_owned(), child, readers: vec![reader] }, lines }
+    }
+
+    /// When the first line starting with `prefix` was read; fails after [`GUARD`].
+    fn wait_for(&self, prefix: &str) -> Instant {
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let lines = self.lines.lock().unwrap();
+            if let Some((at, _)) = lines.iter().find(|(_, line)| line.starts_with(prefix)) {
+                return *at;
+            }
+            assert!(Instant::now() < deadline, "{}: no {prefix:?} in {lines:?}", self.guard.name);
+            drop(lines);
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Issue 30, item 3: the failover example of docs/design.md is `examples/failover.rs`, which
+/// builds with the README's tokio features. Run twice, one becomes active and says so; SIGTERM
+/// (as systemd, Docker and Kubernetes send it) releases the lease, so the standby takes over
+/// at once rather than after the 30 s TTL; SIGTERM to a standby ends it too.
+#[test]
+fn the_failover_example_is_documented_and_stops_cleanly_on_sigterm() {
+    let example = include_str!("../examples/failover.rs");
+    let body = &example[example.find("use std::time::Duration;").expect("the program")..];
+    let design = include_str!("../docs/design.md");
+    assert!(design.contains(&format!("```rust,no_run\n{body}```")), "design.md shows the example");
+    // CI builds examples with every dev-dependency, whose tokio has every feature: so the
+    // README's tokio line is checked against what the program uses.
+    let readme = include_str!("../README.md");
+    let line = readme.lines().find(|l| l.starts_with("tokio = {")).expect("README's tokio line");
+    let mut needed = vec!["macros", "rt-multi-thread"];
+    if body.contains("tokio::signal") {
+        needed.push("signal");
+    }
+    for feature in needed {
+        assert!(line.contains(&format!("\"{feature}\"")), "README's tokio needs {feature}: {line}");
+    }
+
+    let table = unique_name("cli_failover_example");
+    let a = Running::spawn("failover", &[&table]);
+    a.wait_for("active: ");
+    let b = Running::spawn("failover", &[&table]);
+    b.wait_for("standing by: ");
+    let mut c = Running::spawn("failover", &[&table]);
+    c.wait_for("standing by: ");
+    // A standby ends at once, never having held the lease.
+    c.guard.signal("TERM");
+    assert_eq!(c.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "the standby exits 0");
+
+    let mut a = a;
+    let stopped = Instant::now();
+    a.guard.signal("TERM");
+    assert_eq!(a.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "A exits 0");
+    a.wait_for("shutting down: releasing the lease");
+    let active = b.wait_for("active: ");
+    let waited = active.saturating_duration_since(stopped);
+    assert!(waited < Duration::from_secs(10), "released, not expired (TTL 30 s): {waited:?}");
+    let mut b = b;
+    b.guard.signal("INT");
+    assert_eq!(b.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "B exits 0 on Ctrl-C");
+    query(
+        &server().config(),
+        &format!("DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\""),
+    );
 }
 
 /// A port nothing listens on now (bound, then freed).

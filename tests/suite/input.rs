@@ -482,3 +482,38 @@ async fn builder_from_env_child() {
     store.write("env", "s", "k", b"from the environment".to_vec()).await.unwrap();
     store.close().await.unwrap();
 }
+
+/// `main` returning `Result<(), pgfence::Error>` prints the error's `Debug` form: the message and
+/// its causes, one a line, with the server's SQLSTATE, not nested structs. `{:#?}` still shows
+/// the variant and its fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_of_an_error_reads_like_its_message() {
+    let mut config = tokio_postgres::Config::new();
+    config.host("127.0.0.1").port(1).user("app").dbname("app");
+    let b = PgKvStore::builder_from_config(config).connect_timeout(Duration::from_secs(2));
+    let e = b.open().await.unwrap_err();
+    let debug = format!("{e:?}");
+    assert!(debug.starts_with(&e.to_string()), "{debug}");
+    assert!(
+        debug.contains("\n\nCaused by:\n    0: ") && debug.contains("onnection refused"),
+        "{debug}"
+    );
+    assert!(!debug.contains("Connect {") && !debug.contains("kind:"), "{debug}");
+    let structure = format!("{e:#?}");
+    assert!(structure.starts_with("Connect {") && structure.contains("operation:"), "{structure}");
+
+    // A server's error shows its SQLSTATE; a cause already in the message is not repeated.
+    let (t, role, schema) = (table("dbg"), table("dbg_role"), table("dbg_s"));
+    let created = format!("CREATE ROLE {role} LOGIN; CREATE SCHEMA {schema}");
+    admin().await.batch_execute(&created).await.unwrap();
+    let mut config = common::server().config();
+    config.user(&role);
+    let e = PgKvStore::builder_from_config(config)
+        .table(format!("{schema}.{t}"))
+        .open()
+        .await
+        .unwrap_err();
+    let debug = format!("{e:?}");
+    assert!(debug.contains("(SQLSTATE 42501)"), "{debug}");
+    assert_eq!(debug.matches("permission denied for schema").count(), 1, "{debug}");
+}

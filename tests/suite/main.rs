@@ -33,6 +33,7 @@ mod ldk_0_2;
 mod ldk_channels;
 mod lease;
 mod pgbouncer;
+mod privileges;
 mod release;
 mod replication;
 mod standbys;

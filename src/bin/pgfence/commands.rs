@@ -124,6 +124,7 @@ pub(crate) async fn export(builder: Builder, out: Option<PathBuf>) -> Result<(),
 pub(crate) async fn import(
     builder: Builder,
     input: Option<PathBuf>,
+    allow_empty: bool,
     json: bool,
 ) -> Result<(), Exit> {
     let source = input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string());
@@ -149,6 +150,12 @@ pub(crate) async fn import(
         let row = parse_row(&line)
             .map_err(|reason| Exit::usage(format!("{source} line {}: {reason}", n + 1)))?;
         rows.push(row);
+    }
+    if rows.is_empty() && !allow_empty {
+        return Err(Exit::usage(format!(
+            "{source} holds no rows: refusing to take the lease for nothing (pass --allow-empty \
+             to import an empty export)"
+        )));
     }
     let store = builder.open().await?;
     let count = rows.len();

@@ -9,6 +9,7 @@ use tokio_postgres::types::Type;
 
 use crate::exit::{Exit, chain};
 use crate::output::{print_line, secs};
+use crate::privileges::{TABLES, Use, and_list, grant_name, ident};
 use crate::target::{ConnectError, Target, quote_table};
 
 /// One check of `doctor`.
@@ -41,7 +42,6 @@ fn check(name: &'static str, status: Status, detail: impl Into<String>) -> Check
 }
 
 /// The server-side facts `doctor` reads, in one statement: nothing is created or changed.
-/// (`has_table_privilege` with a list is true if any one is held, hence one call each.)
 const DOCTOR_FACTS: &str = "SELECT
     current_setting('server_version_num')::int,
     current_setting('server_version'),
@@ -51,31 +51,48 @@ const DOCTOR_FACTS: &str = "SELECT
     current_setting('statement_timeout'),
     coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false),
     extract(epoch FROM clock_timestamp())::float8,
-    current_user::text,
-    (SELECT rolsuper FROM pg_roles WHERE rolname = current_user),
-    to_regclass($1::text) IS NOT NULL,
-    to_regclass($2::text) IS NOT NULL,
-    to_regclass($3::text) IS NOT NULL,
-    coalesce(to_regnamespace($4::text)::text, ''),
-    CASE WHEN to_regnamespace($4::text) IS NULL THEN false
-         ELSE has_schema_privilege(to_regnamespace($4::text), 'CREATE') END,
-    CASE WHEN to_regclass($1::text) IS NULL THEN true
-         ELSE has_table_privilege($1::text, 'SELECT') AND has_table_privilege($1::text, 'INSERT')
-          AND has_table_privilege($1::text, 'UPDATE') AND has_table_privilege($1::text, 'DELETE')
-    END,
-    CASE WHEN to_regclass($2::text) IS NULL THEN true
-         ELSE has_table_privilege($2::text, 'SELECT') AND has_table_privilege($2::text, 'UPDATE')
-    END,
     host(inet_server_addr()),
     inet_server_port()";
+
+/// The role and the table's schema: `$1` is the schema given with the table, NULL for an
+/// unqualified name. That one lives in the schema the store creates it in, `current_schema()`
+/// (NULL when no schema of the `search_path` exists).
+const SCHEMA_FACTS: &str = "SELECT
+    current_user::text,
+    current_database()::text,
+    coalesce($1::text, current_schema()),
+    n.oid IS NOT NULL,
+    coalesce(has_schema_privilege(n.oid, 'USAGE'), false),
+    coalesce(has_schema_privilege(n.oid, 'CREATE'), false),
+    has_database_privilege(current_database(), 'CREATE')
+  FROM (SELECT 1) AS one
+  LEFT JOIN pg_namespace n ON n.nspname = coalesce($1::text, current_schema())";
+
+/// For each table of `$1` (quoted names, in the order of `privileges::TABLES`): whether it
+/// exists and the rights the role has on it. Only run with `USAGE` on the schema: without it,
+/// `to_regclass` fails.
+const TABLE_FACTS: &str = "SELECT
+    r IS NOT NULL,
+    coalesce(has_table_privilege(r, 'SELECT'), false),
+    coalesce(has_table_privilege(r, 'INSERT'), false),
+    coalesce(has_table_privilege(r, 'UPDATE'), false),
+    coalesce(has_table_privilege(r, 'DELETE'), false)
+  FROM unnest($1::text[]) WITH ORDINALITY AS t (name, i), to_regclass(t.name) AS r
+ ORDER BY t.i";
 
 /// The timeline of the current WAL position, as acquisition reads it for its epoch floor.
 const WAL_TIMELINE: &str =
     "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint";
 
 /// `doctor`: each check a row of a pass/warn/fail table (or `--json`); exit 1 if one fails.
-pub(crate) async fn doctor(builder: Builder, target: &Target, json: bool) -> Result<(), Exit> {
-    let checks = doctor_checks(builder, target).await;
+/// `read_only`: the role is meant to read only, so only the rights of reading are checked.
+pub(crate) async fn doctor(
+    builder: Builder,
+    target: &Target,
+    read_only: bool,
+    json: bool,
+) -> Result<(), Exit> {
+    let checks = doctor_checks(builder, target, read_only).await;
     let worst = checks.iter().map(|c| c.status).max().unwrap_or(Status::Pass);
     if json {
         let rows: Vec<Value> = checks
@@ -97,7 +114,40 @@ pub(crate) async fn doctor(builder: Builder, target: &Target, json: bool) -> Res
     }
 }
 
-async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
+/// The versions pgfence supports, as `server_version_num` ranges: 13 to 18. CI tests each
+/// (docs/deployments.md).
+const SUPPORTED: std::ops::Range<i32> = 130_000..190_000;
+
+fn version_check(number: i32, shown: &str) -> Check {
+    const NAME: &str = "server version";
+    match number {
+        n if SUPPORTED.contains(&n) => check(NAME, Status::Pass, format!("PostgreSQL {shown}")),
+        // The KV table's identity column needs 10.
+        n if n < 100_000 => check(
+            NAME,
+            Status::Fail,
+            format!("PostgreSQL {shown}: pgfence needs 10 or later, and supports 13 to 18"),
+        ),
+        n if n < SUPPORTED.start => check(
+            NAME,
+            Status::Warn,
+            format!(
+                "PostgreSQL {shown}: pgfence supports 13 to 18, and is not tested on this \
+                 version; upgrade the server"
+            ),
+        ),
+        _ => check(
+            NAME,
+            Status::Warn,
+            format!(
+                "PostgreSQL {shown}: newer than the versions pgfence supports (13 to 18); run \
+                 its tests against this server (docs/deployments.md)"
+            ),
+        ),
+    }
+}
+
+async fn doctor_checks(builder: Builder, target: &Target, read_only: bool) -> Vec<Check> {
     let mut checks = Vec::new();
     let started = std::time::SystemTime::now();
     let client = match target.connect().await {
@@ -116,17 +166,7 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         }
     };
     checks.push(check("connection", Status::Pass, format!("connected to {}", target.servers())));
-    let kv = quote_table(&target.table, "");
-    let lease = quote_table(&target.table, "_lease");
-    let version = quote_table(&target.table, "_schema_version");
-    let schema = match target.table.split_once('.') {
-        Some((schema, _)) => schema.to_owned(),
-        None => String::new(),
-    };
-    // Unqualified: the first schema of the search path that exists, where the store creates.
-    let schema_sql = if schema.is_empty() { "current_schema()".to_owned() } else { schema.clone() };
-    let params = [&kv, &lease, &version, &schema_sql].map(|p| (p as _, Type::TEXT));
-    let facts = match client.query_typed_one(DOCTOR_FACTS, &params).await {
+    let facts = match client.query_typed_one(DOCTOR_FACTS, &[]).await {
         Ok(row) => row,
         Err(e) => {
             checks.push(check("server facts", Status::Fail, chain(&e)));
@@ -134,42 +174,47 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         }
     };
     let rtt = started.elapsed().unwrap_or_default();
-    let number: i32 = facts.get(0);
-    let shown: String = facts.get(1);
-    checks.push(match number {
-        n if n < 100_000 => check("server version", Status::Fail, format!(
-            "PostgreSQL {shown}: pgfence needs 10 or later; upgrade the server"
-        )),
-        n if (150_000..160_000).contains(&n) => {
-            check("server version", Status::Pass, format!("PostgreSQL {shown}"))
-        }
-        _ => check("server version", Status::Warn, format!(
-            "PostgreSQL {shown}: pgfence is tested on 15 only; run its tests against this server"
-        )),
-    });
+    checks.push(version_check(facts.get(0), facts.get(1)));
     let (sync_commit, standbys): (String, String) = (facts.get(2), facts.get(3));
     checks.push(match sync_commit.as_str() {
-        "off" | "local" => check("synchronous_commit", Status::Warn, format!(
-            "{sync_commit}: an acknowledged write may be lost in a crash;              ALTER ROLE ... SET synchronous_commit = on"
-        )),
+        "off" | "local" => check(
+            "synchronous_commit",
+            Status::Warn,
+            format!(
+                "{sync_commit}: an acknowledged write may be lost in a crash; ALTER ROLE ... \
+                 SET synchronous_commit = on"
+            ),
+        ),
         _ => check("synchronous_commit", Status::Pass, sync_commit.clone()),
     });
     checks.push(if standbys.trim().is_empty() {
-        check("synchronous_standby_names", Status::Warn,
-            "empty: acknowledged writes are on this server only, and a failover to a replica may              lose them; list the replicas in synchronous_standby_names")
+        check(
+            "synchronous_standby_names",
+            Status::Warn,
+            "empty: acknowledged writes are on this server only, and a failover to a replica \
+             may lose them; list the replicas in synchronous_standby_names",
+        )
     } else {
         check("synchronous_standby_names", Status::Pass, standbys.clone())
     });
     let (idle, statement): (String, String) = (facts.get(4), facts.get(5));
     checks.push(if idle == "0" {
-        check("idle_in_transaction_session_timeout", Status::Warn,
-            "0 (none): a session left idle in a transaction keeps its locks for good;              ALTER ROLE ... SET idle_in_transaction_session_timeout = '1min'")
+        check(
+            "idle_in_transaction_session_timeout",
+            Status::Warn,
+            "0 (none): a session left idle in a transaction keeps its locks for good; ALTER \
+             ROLE ... SET idle_in_transaction_session_timeout = '1min'",
+        )
     } else {
         check("idle_in_transaction_session_timeout", Status::Pass, idle)
     });
     checks.push(if statement == "0" {
-        check("statement_timeout", Status::Warn,
-            "0 (none): a stuck statement runs for good;              ALTER ROLE ... SET statement_timeout = '1min' (above your longest batch)")
+        check(
+            "statement_timeout",
+            Status::Warn,
+            "0 (none): a stuck statement runs for good; ALTER ROLE ... SET statement_timeout = \
+             '1min' (above your longest batch)",
+        )
     } else {
         check("statement_timeout", Status::Pass, statement)
     });
@@ -188,90 +233,87 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
     let difference = (server_clock - (local_clock + rtt / 2).as_secs_f64()).abs();
     let difference = Duration::from_secs_f64(difference);
     checks.push(if difference > Duration::from_secs(1) {
-        check("clock", Status::Warn, format!(
-            "this machine and the server differ by {}: leases go by the server's clock, but              logs will not line up; run NTP on both", secs(difference)
-        ))
+        check(
+            "clock",
+            Status::Warn,
+            format!(
+                "this machine and the server differ by {}: leases go by the server's clock, but \
+                 logs will not line up; run NTP on both",
+                secs(difference)
+            ),
+        )
     } else {
         check("clock", Status::Pass, format!("within {} of the server", secs(difference.max(rtt))))
     });
-    let (role, superuser): (String, Option<bool>) = (facts.get(8), facts.get(9));
-    let (has_kv, has_lease, has_version): (bool, bool, bool) =
-        (facts.get(10), facts.get(11), facts.get(12));
-    let (schema_name, can_create, kv_rights, lease_rights): (String, bool, bool, bool) =
-        (facts.get(13), facts.get(14), facts.get(15), facts.get(16));
-    let superuser = superuser.unwrap_or(false);
-    checks.push(match (has_kv, can_create || superuser) {
-        (true, _) if kv_rights && lease_rights => {
-            check("privileges", Status::Pass, format!("{role} may use the tables"))
-        }
-        (true, _) => check("privileges", Status::Fail, format!(
-            "{role} lacks rights on the tables: GRANT SELECT, INSERT, UPDATE, DELETE ON {kv}, {lease} TO {role}"
-        )),
-        (false, true) => check("privileges", Status::Pass, format!(
-            "{role} may create the tables in schema {schema_name}"
-        )),
-        (false, false) if schema_name.is_empty() => check("privileges", Status::Fail, format!(
-            "schema {} does not exist: CREATE SCHEMA {} AUTHORIZATION {role}",
-            if schema.is_empty() { "(search path)" } else { &schema },
-            if schema.is_empty() { "..." } else { &schema }
-        )),
-        (false, false) => check("privileges", Status::Fail, format!(
-            "{role} cannot create the tables: GRANT CREATE ON SCHEMA {schema_name} TO {role}"
-        )),
-    });
+    let usage = if read_only { Use::Reader } else { Use::Write };
+    let (privileges, tables) = privileges_check(&client, &target.table, usage).await;
+    let role = privileges.role.clone();
+    checks.push(privileges.check);
     // Acquisition takes its epoch floor from the WAL timeline (src/sql.rs, ACQUIRE). A role
-    // whose EXECUTE on these functions was revoked could never acquire the lease.
-    checks.push(match client.query_typed_one(WAL_TIMELINE, &[]).await {
-        Ok(row) => check(
-            "wal timeline",
-            Status::Pass,
-            format!("{role} may read the WAL position (timeline {})", row.get::<_, i64>(0)),
-        ),
-        Err(e) => check(
-            "wal timeline",
-            Status::Fail,
-            format!(
-                "{role} cannot read the WAL position, which acquiring the lease needs ({}): GRANT \
-             EXECUTE ON FUNCTION pg_walfile_name(pg_lsn), pg_current_wal_lsn() TO {role}, or \
-             connect to the primary",
-                chain(&e)
+    // whose EXECUTE on these functions was revoked could never acquire the lease. Reading
+    // needs neither.
+    if !read_only {
+        checks.push(match client.query_typed_one(WAL_TIMELINE, &[]).await {
+            Ok(row) => check(
+                "wal timeline",
+                Status::Pass,
+                format!("{role} may read the WAL position (timeline {})", row.get::<_, i64>(0)),
             ),
-        ),
-    });
+            Err(e) => check(
+                "wal timeline",
+                Status::Fail,
+                format!(
+                    "{role} cannot read the WAL position, which acquiring the lease needs ({}): \
+                     GRANT EXECUTE ON FUNCTION pg_walfile_name(pg_lsn), pg_current_wal_lsn() TO \
+                     {}, or connect to the primary",
+                    chain(&e),
+                    ident(&role)
+                ),
+            ),
+        });
+    }
     drop(client);
-    let server_end: (Option<String>, Option<i32>) = (facts.get(17), facts.get(18));
+    let server_end: (Option<String>, Option<i32>) = (facts.get(8), facts.get(9));
     let session = match builder.clone().inspect().await {
         Ok(inspector) => inspector.check_session().await,
         Err(e) => Err(e),
     };
     checks.push(pooler_check(target, server_end, session));
+    let [has_kv, has_lease, has_version] = tables.map(|t| t.is_some_and(|t| t.exists));
     if !(has_kv && has_lease) {
-        checks.push(check(
-            "table",
-            Status::Warn,
-            format!("no table {} yet: put, import or hold creates it", target.table),
-        ));
+        let detail = match tables[0] {
+            None => format!("{} cannot look for table {} (see privileges)", role, target.table),
+            Some(_) if read_only => {
+                format!("no table {} yet: a write command creates it", target.table)
+            }
+            Some(_) => format!("no table {} yet: put, import or hold creates it", target.table),
+        };
+        checks.push(check("table", Status::Warn, detail));
         return checks;
     }
-    let schema_version = if has_version {
-        match target.connect().await {
-            Ok(client) => {
-                let sql = format!("SELECT coalesce(max(version), 0) FROM {version}");
-                client.query_typed_one(&sql, &[]).await.map(|row| row.get::<_, i32>(0)).ok()
+    // A reader need not read the version table; only opening a store does.
+    if !read_only {
+        let version = quote_table(&target.table, "_schema_version");
+        let schema_version = if has_version {
+            match target.connect().await {
+                Ok(client) => {
+                    let sql = format!("SELECT coalesce(max(version), 0) FROM {version}");
+                    client.query_typed_one(&sql, &[]).await.map(|row| row.get::<_, i32>(0)).ok()
+                }
+                Err(_) => None,
             }
-            Err(_) => None,
-        }
-    } else {
-        None
-    };
-    checks.push(match schema_version {
-        Some(v) => check("schema version", Status::Pass, format!("{v}")),
-        None => check(
-            "schema version",
-            Status::Warn,
-            format!("no readable {version}: opening a store migrates it"),
-        ),
-    });
+        } else {
+            None
+        };
+        checks.push(match schema_version {
+            Some(v) => check("schema version", Status::Pass, format!("{v}")),
+            None => check(
+                "schema version",
+                Status::Warn,
+                format!("no readable {version}: opening a store creates it"),
+            ),
+        });
+    }
     let lease_state = match builder.inspect().await {
         Ok(inspector) => inspector.lease_info().await,
         Err(e) => Err(e),
@@ -291,6 +333,207 @@ async fn doctor_checks(builder: Builder, target: &Target) -> Vec<Check> {
         Err(e) => check("lease", Status::Fail, chain(&e)),
     });
     checks
+}
+
+/// One table's facts: whether it exists, and the rights of the role on it.
+#[derive(Clone, Copy)]
+struct TableFacts {
+    exists: bool,
+    /// SELECT, INSERT, UPDATE, DELETE, in the order of [`RIGHTS`].
+    has: [bool; 4],
+}
+
+const RIGHTS: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+/// The `privileges` check, and its role.
+struct Privileges {
+    check: Check,
+    role: String,
+}
+
+/// The `privileges` check for `usage`: the rights on the schema and on each table that the
+/// commands of that use need ([`Use::rights`]), as docs/deployments.md lists them. Also the
+/// facts of the three tables, `None` when the role may not look for them.
+async fn privileges_check(
+    client: &tokio_postgres::Client,
+    table: &str,
+    usage: Use,
+) -> (Privileges, [Option<TableFacts>; 3]) {
+    const NAME: &str = "privileges";
+    let given = table.split_once('.').map(|(schema, _)| schema.to_owned());
+    let unknown = [None; 3];
+    let facts = match client.query_typed_one(SCHEMA_FACTS, &[(&given, Type::TEXT)]).await {
+        Ok(row) => row,
+        Err(e) => {
+            let check = check(NAME, Status::Fail, chain(&e));
+            return (Privileges { check, role: "<role>".to_owned() }, unknown);
+        }
+    };
+    let (role, database, schema): (String, String, Option<String>) =
+        (facts.get(0), facts.get(1), facts.get(2));
+    let (schema_exists, usage_on_schema, create_on_schema, create_on_database): (
+        bool,
+        bool,
+        bool,
+        bool,
+    ) = (facts.get(3), facts.get(4), facts.get(5), facts.get(6));
+    let done = |status, detail: String| {
+        let role = role.clone();
+        (Privileges { check: check(NAME, status, detail), role }, unknown)
+    };
+    let who = ident(&role);
+    let Some(schema) = schema else {
+        return done(
+            Status::Fail,
+            format!(
+                "no schema of {role}'s search_path exists, so the tables have none to live in: \
+                 name one with --table SCHEMA.TABLE, or ALTER ROLE {who} SET search_path = ..."
+            ),
+        );
+    };
+    let shown = ident(&schema);
+    let writes = usage == Use::Write;
+    if !schema_exists {
+        // Only a qualified name gets here: current_schema() names an existing schema.
+        return match (writes, create_on_database) {
+            (false, _) => done(
+                Status::Fail,
+                format!("schema {shown} does not exist: nothing to read (check --table)"),
+            ),
+            (true, true) => {
+                done(Status::Pass, format!("{role} may create schema {shown} and the tables in it"))
+            }
+            (true, false) => done(
+                Status::Fail,
+                format!(
+                    "schema {shown} does not exist and {role} may not create it: CREATE SCHEMA \
+                     {shown} AUTHORIZATION {who} as an administrator, or GRANT CREATE ON \
+                     DATABASE {} TO {who}",
+                    ident(&database)
+                ),
+            ),
+        };
+    }
+    if !usage_on_schema {
+        let also = if writes { " (and CREATE, if pgfence is to create the tables)" } else { "" };
+        return done(
+            Status::Fail,
+            format!(
+                "{role} may not use schema {shown}: GRANT USAGE ON SCHEMA {shown} TO \
+                 {who}{also}"
+            ),
+        );
+    }
+    let names: Vec<String> = TABLES.iter().map(|suffix| quote_table(table, suffix)).collect();
+    let rows = match client.query_typed(TABLE_FACTS, &[(&names, Type::TEXT_ARRAY)]).await {
+        Ok(rows) => rows,
+        Err(e) => return done(Status::Fail, chain(&e)),
+    };
+    let mut tables = unknown;
+    for (slot, row) in tables.iter_mut().zip(&rows) {
+        *slot = Some(TableFacts {
+            exists: row.get(0),
+            has: [row.get(1), row.get(2), row.get(3), row.get(4)],
+        });
+    }
+    let privileges = |status, detail: String| {
+        let role = role.clone();
+        Privileges { check: check(NAME, status, detail), role }
+    };
+    let found = tables.map(|t| t.unwrap_or(TableFacts { exists: false, has: [false; 4] }));
+    // A write command creates what is missing, in the same schema. A reader needs only the
+    // tables it reads.
+    let missing: Vec<String> = TABLES
+        .iter()
+        .zip(&found)
+        .filter(|(suffix, facts)| !facts.exists && (writes || !usage.rights(suffix).is_empty()))
+        .map(|(suffix, _)| grant_name(table, suffix))
+        .collect();
+    if !missing.is_empty() {
+        let check = match (writes, create_on_schema) {
+            (false, _) => privileges(
+                Status::Warn,
+                format!("no {} to read yet (see table)", and_list(&as_strs(&missing))),
+            ),
+            (true, true) => privileges(
+                Status::Pass,
+                format!("{role} may create {} in schema {shown}", and_list(&as_strs(&missing))),
+            ),
+            (true, false) => privileges(
+                Status::Fail,
+                format!(
+                    "{role} cannot create {} in schema {shown}: GRANT CREATE ON SCHEMA {shown} \
+                     TO {who}, or create them as the owner (docs/deployments.md, \
+                     \"Privileges\")",
+                    and_list(&as_strs(&missing))
+                ),
+            ),
+        };
+        return (check, tables);
+    }
+    // What each table lacks of what `usage` needs.
+    let mut grants = Vec::new();
+    for (suffix, facts) in TABLES.iter().zip(&found).filter(|(_, facts)| facts.exists) {
+        let lacking: Vec<&str> = usage
+            .rights(suffix)
+            .iter()
+            .copied()
+            .filter(|right| {
+                let at = RIGHTS.iter().position(|r| r == right).expect("a known right");
+                !facts.has[at]
+            })
+            .collect();
+        if !lacking.is_empty() {
+            grants.push(format!(
+                "GRANT {} ON {} TO {who}",
+                lacking.join(", "),
+                grant_name(table, suffix)
+            ));
+        }
+    }
+    let check = match (grants.is_empty(), usage) {
+        (true, Use::Write) => privileges(
+            Status::Pass,
+            format!("{role} may use the tables (SELECT, INSERT, UPDATE, DELETE on the KV table)"),
+        ),
+        (true, _) => privileges(
+            Status::Pass,
+            format!("{role} may read the tables (status, get, ls, export)"),
+        ),
+        (false, Use::Write) => {
+            let reads = [Use::Read, Use::Status].iter().all(|u| {
+                TABLES.iter().zip(&found).all(|(suffix, facts)| {
+                    u.rights(suffix).iter().all(|right| {
+                        let at = RIGHTS.iter().position(|r| r == right).expect("a known right");
+                        facts.has[at]
+                    })
+                })
+            });
+            let reader = match reads {
+                true => {
+                    "; it may read (status, get, ls, export: doctor --read-only checks only \
+                     that)"
+                }
+                false => "",
+            };
+            privileges(
+                Status::Fail,
+                format!(
+                    "{role} cannot open a store (put, rm, import, hold){reader}: {}",
+                    grants.join("; ")
+                ),
+            )
+        }
+        (false, _) => privileges(
+            Status::Fail,
+            format!("{role} cannot read the tables: {}", grants.join("; ")),
+        ),
+    };
+    (check, tables)
+}
+
+fn as_strs(items: &[String]) -> Vec<&str> {
+    items.iter().map(String::as_str).collect()
 }
 
 /// Whether something sits between this machine and the server, and whether it keeps a server
@@ -370,5 +613,24 @@ fn pooler_check(
              {server}; it keeps one server session per client (session mode), as pgfence needs"
             ),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 13 to 18 pass, as the README and docs/deployments.md say; 10 to 12 and newer ones warn;
+    /// below 10 fails.
+    #[test]
+    fn supported_versions_pass() {
+        let status = |n| version_check(n, "x").status;
+        for n in [130_023, 150_018, 160_014, 170_010, 180_004] {
+            assert!(status(n) == Status::Pass, "{n}");
+        }
+        for n in [100_023, 120_022, 190_000] {
+            assert!(status(n) == Status::Warn, "{n}");
+        }
+        assert!(status(90_624) == Status::Fail);
     }
 }

@@ -3,14 +3,16 @@
 use std::io::{self, Write};
 use std::time::Duration;
 
-use pgfence::{Builder, Error, LeaseLossPolicy, LeaseState, PgKvStore, StandbyState, check_key};
+use pgfence::{
+    Builder, Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore, StandbyState, check_key,
+};
 use serde_json::{Value, json};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
 use crate::HoldArgs;
 use crate::exit::{Exit, chain, fail_code};
-use crate::logging::STANDBY_TROUBLE;
+use crate::logging::{HOLDER_TROUBLE, STANDBY_TROUBLE};
 use crate::metrics;
 use crate::target::{ConnectError, Target};
 
@@ -126,6 +128,14 @@ enum Ended {
 /// How often at most `hold --wait` reports that the standby cannot reach the database.
 const TROUBLE_REPORT_EVERY: Duration = Duration::from_secs(30);
 
+/// How often at most `hold` reports that the holder retries: renewals are retried about once a
+/// second until the local deadline, 2/3 TTL after the last confirmed one.
+const RETRY_REPORT_EVERY: Duration = Duration::from_secs(5);
+
+/// How often `hold` samples the store's local deadline, to tell a force release from an
+/// expiry when the lease is lost.
+const DEADLINE_SAMPLE_EVERY: Duration = Duration::from_millis(500);
+
 pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Result<(), Exit> {
     // Installed before anything else: from here on SIGINT/SIGTERM mean "release and exit 0".
     // They never mean the default instant death that would leave the lease to expire by TTL.
@@ -135,13 +145,15 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
     // a standby shows `pgfence_lease_held` 0 while it waits.
     let scraped = Scraped(watch::channel(None).0);
     if let Some(addr) = args.metrics_addr {
-        let listener = metrics::bind(addr).await?;
+        let listener = metrics::bind(&addr).await?;
         metrics::serve(listener, target.table.clone(), scraped.0.subscribe());
     }
     // The library's defaults for the TTL. Renewal every TTL/3 leaves another TTL/3 of retries
     // (about one a second) before the local deadline at 2/3 TTL. That deadline itself comes
     // before the DB expiry.
     let builder = builder.lease_ttl(args.ttl).on_lease_lost(LeaseLossPolicy::FailClosed);
+    // For a look at the lease row once the lease is lost: who holds it now.
+    let inspecting = builder.clone();
 
     // A signal before the lease is taken gives up the opening. A setup may still be waiting,
     // at the fence for the old holder's writes, say. `open_until` returns once it is cancelled
@@ -156,6 +168,9 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
         let (report_sender, mut reports) = mpsc::unbounded_channel::<String>();
         let mut reported_at: Option<tokio::time::Instant> = None;
         let mut probing = false;
+        // The holder and epoch last printed: `waiting` is printed when they change, not at
+        // each look (every second behind a transaction pooler).
+        let mut shown: Option<(String, i64)> = None;
         let opening = standby.open_until(signals.recv());
         tokio::pin!(opening);
         let opened = loop {
@@ -182,10 +197,15 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
                     reported_at = Some(tokio::time::Instant::now());
                     emit(json!({ "event": "retrying", "error": cause }));
                     let _ = writeln!(io::stderr(), "pgfence: standby retrying: {cause}");
+                    shown = None; // The next `waiting` is a change of state again.
                 }
                 Ok(()) = progress.changed() => {
                     let state = progress.borrow_and_update().clone();
-                    if let StandbyState::Waiting { holder, epoch, expires_in } = state {
+                    let StandbyState::Waiting { holder, epoch, expires_in } = state else {
+                        continue;
+                    };
+                    if shown.as_ref() != Some(&(holder.clone(), epoch)) {
+                        shown = Some((holder.clone(), epoch));
                         emit(json!({
                             "event": "waiting",
                             "holder": holder,
@@ -219,13 +239,18 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
                     return Err(exit);
                 }
             };
-            let every = Duration::from_millis(every);
             Some(tokio::spawn(write_counter(store.clone(), counter, start, every, stopped)))
         }
         _ => None,
     };
 
     let mut state = store.lease_state();
+    let (retry_sender, mut retries) = mpsc::unbounded_channel();
+    *HOLDER_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(retry_sender);
+    let mut retry_reported_at: Option<tokio::time::Instant> = None;
+    // The latest local deadline seen: until then the lease cannot have expired in the database.
+    let mut trusted = Trusted::default();
+    let mut samples = tokio::time::interval(DEADLINE_SAMPLE_EVERY);
     let ended = {
         let writer_done = async {
             match writer {
@@ -234,19 +259,30 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
             }
         };
         tokio::pin!(writer_done);
-        tokio::select! {
-            () = signals.recv() => Ended::Signalled,
-            // Renewal (or a write) found the loss: the watch reports it whoever found it.
-            _ = state.wait_for(|s| matches!(s, LeaseState::Lost { .. })) => Ended::Lost,
-            finished = &mut writer_done => match finished {
-                Ok(Err(e)) if e.is_lease_lost() => Ended::Lost,
-                Ok(Err(e)) => Ended::WriterFailed(e),
-                // The writer returns Ok only when stopped, and panics never (nothing in it
-                // unwraps); report either as a failed writer all the same.
-                Ok(Ok(())) | Err(_) => Ended::WriterFailed(Error::Closed),
-            },
+        loop {
+            tokio::select! {
+                () = signals.recv() => break Ended::Signalled,
+                // Renewal (or a write) found the loss: the watch reports it whoever found it.
+                _ = state.wait_for(|s| matches!(s, LeaseState::Lost { .. })) => break Ended::Lost,
+                finished = &mut writer_done => break match finished {
+                    Ok(Err(e)) if e.is_lease_lost() => Ended::Lost,
+                    Ok(Err(e)) => Ended::WriterFailed(e),
+                    // The writer returns Ok only when stopped, and panics never (nothing in it
+                    // unwraps); report either as a failed writer all the same.
+                    Ok(Ok(())) | Err(_) => Ended::WriterFailed(Error::Closed),
+                },
+                Some(warning) = retries.recv() => {
+                    let due = retry_reported_at.is_none_or(|at| at.elapsed() >= RETRY_REPORT_EVERY);
+                    if due {
+                        retry_reported_at = Some(tokio::time::Instant::now());
+                        emit(json!({ "event": "retrying", "epoch": epoch, "error": warning }));
+                    }
+                }
+                _ = samples.tick() => trusted.sample(&store),
+            }
         }
     };
+    *HOLDER_TROUBLE.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if let Ended::Lost = ended {
         // Report at once: the process must stop now, whatever the cleanup costs. Nothing of
         // this store can commit any more, so the write in flight is simply dropped. We await the
@@ -258,7 +294,7 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
                 let _ = handle.await;
             }
         }
-        let lost = lost_exit(&store);
+        let lost = lost_exit(&store, &inspecting, trusted).await;
         // Best effort: the release is a no-op by owner id once the lease is someone else's.
         match tokio::time::timeout(CLEANUP_LIMIT, store.close()).await {
             Ok(Ok(())) => {}
@@ -294,7 +330,7 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
         }))),
     };
     // The loss may have been found by the last write or by renewal during the shutdown.
-    if let Some(lost) = lost_exit(&store) {
+    if let Some(lost) = lost_exit(&store, &inspecting, trusted).await {
         return Err(lost);
     }
     if let Ended::WriterFailed(e) = ended {
@@ -315,14 +351,76 @@ pub(crate) async fn hold(builder: Builder, args: HoldArgs, target: Target) -> Re
 /// lease is no longer ours). So it must not hold up the exit.
 const CLEANUP_LIMIT: Duration = Duration::from_secs(5);
 
+/// Until when the store's lease is sure to be valid in the database: the latest local deadline
+/// sampled. The local deadline comes before the database's expiry.
+#[derive(Clone, Copy, Default)]
+struct Trusted(Option<tokio::time::Instant>);
+
+impl Trusted {
+    fn sample(&mut self, store: &PgKvStore) {
+        let stats = store.stats();
+        if matches!(stats.lease, LeaseState::Held { .. }) {
+            let until = tokio::time::Instant::now() + stats.deadline_in;
+            self.0 = Some(self.0.map_or(until, |seen| seen.max(until)));
+        }
+    }
+
+    /// Whether the lease was still valid in the database now, had nobody ended it early.
+    fn still(self) -> bool {
+        self.0.is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+}
+
+/// How long `hold` looks at the lease row after a loss, to name who holds it now.
+const LOOK_LIMIT: Duration = Duration::from_secs(2);
+
 /// If the store's lease is lost: prints the `lost` event and returns exit 5.
-fn lost_exit(store: &PgKvStore) -> Option<Exit> {
+///
+/// The library's reason says what found the loss: a refused write, or a renewal that found the
+/// row not ours. The lease row says more. It still names this store, expired, while the local
+/// deadline had not passed: an operator expired it early, `pgfence release --force`. It names
+/// another holder: who took it.
+async fn lost_exit(store: &PgKvStore, inspecting: &Builder, trusted: Trusted) -> Option<Exit> {
     let (epoch, reason) = match &*store.lease_state().borrow() {
-        LeaseState::Lost { epoch, reason } => (*epoch, reason.to_string()),
+        LeaseState::Lost { epoch, reason } => (*epoch, reason.clone()),
         _ => return None,
     };
-    emit(json!({ "event": "lost", "epoch": epoch, "reason": reason }));
-    Some(Exit { code: 5, message: format!("lease lost (epoch {epoch}): {reason}") })
+    let mut cause = match reason {
+        LossReason::Fenced => "fenced",
+        LossReason::TakenOver => "taken_over",
+        LossReason::DeadlinePassed => "deadline_passed",
+        LossReason::WriteOutcomeUnknown => "write_outcome_unknown",
+        _ => "other",
+    };
+    let mut text = reason.to_string();
+    if matches!(reason, LossReason::Fenced | LossReason::TakenOver) {
+        let look = async { inspecting.clone().inspect().await?.lease_info().await };
+        if let Ok(Ok(Some(row))) = tokio::time::timeout(LOOK_LIMIT, look).await {
+            let ours = row.owner_id == store.owner_id();
+            (cause, text) = match (ours, row.active, trusted.still()) {
+                (true, false, true) => (
+                    "force_released",
+                    "force-released: the lease was expired before its time, as `pgfence \
+                     release --force` does; nobody took it over"
+                        .to_owned(),
+                ),
+                (false, _, true) => (
+                    "force_released",
+                    format!(
+                        "force-released: the lease was expired before its time, as `pgfence \
+                         release --force` does, then taken by {} (epoch {})",
+                        row.holder, row.epoch
+                    ),
+                ),
+                (false, _, false) => {
+                    (cause, format!("{text}; now held by {} (epoch {})", row.holder, row.epoch))
+                }
+                _ => (cause, text),
+            };
+        }
+    }
+    emit(json!({ "event": "lost", "epoch": epoch, "reason": text, "cause": cause }));
+    Some(Exit { code: 5, message: format!("lease lost (epoch {epoch}): {text}") })
 }
 
 /// Where the counter goes on: after the value in the store, written by this or an earlier
@@ -373,11 +471,9 @@ async fn write_counter(
                 n += 1;
             }
             Err(e) if e.is_retryable() => {
-                let _ = writeln!(
-                    io::stderr(),
-                    "pgfence: counter write failed, retrying: {}",
-                    chain(&e)
-                );
+                let cause = chain(&e);
+                emit(json!({ "event": "retrying", "epoch": epoch, "error": cause }));
+                let _ = writeln!(io::stderr(), "pgfence: counter write failed, retrying: {cause}");
             }
             Err(e) => return Err(e),
         }

@@ -15,6 +15,7 @@ use pgfence::Builder;
 use pgfence::ldk::LdkStore;
 use serde_json::json;
 
+use crate::ImportAsked;
 use crate::exit::Exit;
 use crate::output::print_line;
 
@@ -45,19 +46,116 @@ impl Source {
     }
 }
 
+/// The keys LDK itself writes: a node that ever ran has its ChannelManager, and one with
+/// channels has their monitors (`lightning::util::persist`).
+fn is_ldk_key((primary, secondary, key): &(String, String, String)) -> bool {
+    let monitors = ["monitors", "archived_monitors", "monitor_updates"];
+    (primary.is_empty() && secondary.is_empty() && key == "manager")
+        || monitors.contains(&primary.as_str())
+}
+
+/// A node's secret, which has no business in a table unasked: `keys_seed` (LDK's sample node and
+/// ldk-node keep the seed in that file, beside or in the store), or anything named like a seed
+/// or a signer's secret.
+fn is_secret((_, _, key): &(String, String, String)) -> bool {
+    key == "keys_seed" || key.ends_with("_seed") || key == "seed" || key == "hsm_secret"
+}
+
+/// Refuses a directory that cannot be an LDK store before LDK lists it: LDK's listing panics
+/// on a directory nested deeper than its two namespace levels. A node's storage directory is
+/// such a one: it holds the store in `fs_store`.
+fn check_layout(dir: &Path) -> Result<(), Exit> {
+    let shown = dir.display();
+    if dir.join("fs_store").is_dir() {
+        return Err(Exit::usage(format!(
+            "--from-ldk-fs {shown}: this looks like a node's storage directory, which keeps its \
+             FilesystemStore in fs_store; pass --from-ldk-fs {}",
+            dir.join("fs_store").display()
+        )));
+    }
+    let subdirectories = |dir: &Path| -> Result<Vec<PathBuf>, Exit> {
+        let entries = std::fs::read_dir(dir).map_err(|e| Exit::other(&shown.to_string(), &e))?;
+        Ok(entries.filter_map(Result::ok).map(|e| e.path()).filter(|p| p.is_dir()).collect())
+    };
+    for primary in subdirectories(dir)? {
+        for secondary in subdirectories(&primary)? {
+            if let Some(deeper) = subdirectories(&secondary)?.first() {
+                return Err(Exit::usage(format!(
+                    "--from-ldk-fs {shown}: not an LDK store: {} is nested deeper than LDK's two \
+                     namespace levels",
+                    deeper.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses, before the lease is taken, what the import must not do unasked: read a directory
+/// that is not an LDK store, move a node's secrets, or import nothing.
+fn check_source(
+    dir: &Path,
+    keys: &[(String, String, String)],
+    asked: &ImportAsked,
+) -> Result<(), Exit> {
+    let shown = dir.display();
+    if keys.is_empty() {
+        return match asked.allow_empty {
+            true => Ok(()),
+            false => Err(Exit::usage(format!(
+                "--from-ldk-fs {shown}: no keys; refusing to import nothing (check the \
+                 directory, or pass --allow-empty)"
+            ))),
+        };
+    }
+    if !keys.iter().any(is_ldk_key) {
+        return Err(Exit::usage(format!(
+            "--from-ldk-fs {shown}: not an LDK store: no ChannelManager (key \"manager\") and no \
+             channel monitors among its {} keys",
+            keys.len()
+        )));
+    }
+    let secrets: Vec<String> =
+        keys.iter().filter(|k| is_secret(k)).map(|(p, s, k)| format!("{p}/{s}/{k}")).collect();
+    if !secrets.is_empty() && !asked.include_secrets {
+        return Err(Exit::usage(format!(
+            "--from-ldk-fs {shown}: holds the node's secret {}; refusing to copy it into the \
+             table unasked (the node reads it from its file; pass --include-secrets to copy it \
+             all the same)",
+            secrets.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// The keys of the store in `dir`.
+fn source_keys(source: &Source, shown: &str) -> Result<Vec<(String, String, String)>, Exit> {
+    match source {
+        Source::V1(fs) => fs.list_all_keys(),
+        Source::V2(fs) => fs.list_all_keys(),
+    }
+    .map_err(from_ldk(shown))
+}
+
 /// Copies every key of the store in `dir` into the table, then reads every one back and
-/// compares. A table with keys is refused unless `force`.
+/// compares. It refuses, before anything is taken, a directory that is not an LDK store, one
+/// with a node's secret unless asked, an empty one unless asked, and a table with keys unless
+/// `force`.
 pub(crate) async fn import_ldk_fs(
     builder: Builder,
     dir: PathBuf,
-    force: bool,
+    asked: ImportAsked,
     json: bool,
 ) -> Result<(), Exit> {
     let shown = dir.display().to_string();
     if !dir.is_dir() {
         return Err(Exit::usage(format!("--from-ldk-fs {shown}: not a directory")));
     }
+    check_layout(&dir)?;
     let source = Source::open(&dir)?;
+    // A listing of the directory, on this thread: nothing else runs meanwhile.
+    check_source(&dir, &source_keys(&source, &shown)?, &asked)?;
+    let force = asked.force;
     let store = LdkStore::open_async(builder).await?;
     // The copy and the checks use LDK's sync traits: off the CLI's runtime. The LdkStore runs
     // its statements on a runtime of its own.

@@ -28,21 +28,29 @@ pub(crate) fn init_logging() {
 pub(crate) static STANDBY_TROUBLE: std::sync::Mutex<Option<mpsc::UnboundedSender<String>>> =
     std::sync::Mutex::new(None);
 
+/// Where [`StandbyTrouble`] sends a holder's retries while `hold` holds the lease: renewals
+/// and statements retried after a connection broke. `hold` reports them as JSON events too,
+/// besides the log line on stderr.
+pub(crate) static HOLDER_TROUBLE: std::sync::Mutex<Option<mpsc::UnboundedSender<String>>> =
+    std::sync::Mutex::new(None);
+
 /// Passes the standby's warnings (retries, LISTEN trouble) to `hold --wait`, which reports
 /// them itself. It reports them rate-limited, with the whole cause, and as a JSON event a
-/// supervisor can see.
-/// The library logs them about once a second, with the cause cut to its first line.
+/// supervisor can see. The library logs them about once a second, with the cause cut to its
+/// first line. A holder's retries go to `hold` the same way ([`HOLDER_TROUBLE`]).
 struct StandbyTrouble;
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for StandbyTrouble {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if !is_standby_warning(event.metadata()) {
-            return;
-        }
-        let mut text = EventText::default();
-        event.record(&mut text);
-        let listening = STANDBY_TROUBLE.lock().unwrap_or_else(|e| e.into_inner());
+        let to = match event.metadata() {
+            m if is_standby_warning(m) => &STANDBY_TROUBLE,
+            m if is_holder_retry(m) => &HOLDER_TROUBLE,
+            _ => return,
+        };
+        let listening = to.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(sender) = listening.as_ref() {
+            let mut text = EventText::default();
+            event.record(&mut text);
             let _ = sender.send(text.0); // `hold` may have stopped listening.
         }
     }
@@ -69,6 +77,13 @@ impl tracing::field::Visit for EventText {
 /// (docs/design.md, "Logging").
 fn is_standby_warning(event: &tracing::Metadata<'_>) -> bool {
     event.target() == "pgfence::standby" && *event.level() == tracing::Level::WARN
+}
+
+/// A holder's retries: the warnings of renewal (`pgfence::lease`) and of statements retried
+/// on a fresh connection (`pgfence::exec`), by their documented targets.
+fn is_holder_retry(event: &tracing::Metadata<'_>) -> bool {
+    matches!(event.target(), "pgfence::lease" | "pgfence::exec")
+        && *event.level() == tracing::Level::WARN
 }
 
 /// The library's events that the CLI reports itself; otherwise both would say the same thing.

@@ -17,6 +17,7 @@ mod ldk_import;
 mod logging;
 mod metrics;
 mod output;
+mod privileges;
 mod target;
 
 use crate::commands::{export, finish, import, release, status};
@@ -47,6 +48,7 @@ Exit codes:
   5  lease lost (hold: taken over, force-released, or renewal failed)
   6  no such database or table (nothing was created: check --database-url and --table)
   7  audit: a violation of the guarantees was found
+  8  audit: the run did not exercise enough (a fault kind not injected, or no recovery seen)
 
 The connection: --database-url, else $DATABASE_URL, with libpq's environment filling what it
 leaves out (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGPASSFILE or ~/.pgpass, PGAPPNAME,
@@ -59,6 +61,13 @@ refused); with it, every connection requires TLS and a server certificate from t
 Unix socket host is refused), and --tls-cert with --tls-key presents a client certificate to a
 server that asks for one.";
 
+/// The help heading of the options that say where and how to connect. They apply to every
+/// command, so each command's help lists them apart from its own.
+const CONNECTION: &str = "Connection options";
+
+/// The help heading of the other options every command takes.
+const GLOBAL: &str = "Global options";
+
 /// Operator tool for a pgfence table: a key-value store in PostgreSQL that only the holder of
 /// the table's lease may mutate.
 #[derive(Debug, Parser)]
@@ -66,12 +75,25 @@ server that asks for one.";
 struct Cli {
     /// PostgreSQL connection string (`postgres://user@host/db` or `host=... dbname=...`);
     /// libpq's PG* variables fill in what it leaves out, or stand in for it.
-    #[arg(long, value_name = "URL", env = "DATABASE_URL", hide_env_values = true, global = true)]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        global = true,
+        help_heading = CONNECTION
+    )]
     database_url: Option<String>,
 
     /// Connect over TLS only, trusting the certificate authorities in this PEM file (the
     /// server's certificate must also name the host connected to).
-    #[arg(long, value_name = "FILE", env = "PGFENCE_TLS_ROOT_CERT", global = true)]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "PGFENCE_TLS_ROOT_CERT",
+        global = true,
+        help_heading = CONNECTION
+    )]
     tls_root_cert: Option<std::path::PathBuf>,
 
     /// With --tls-root-cert: present the client certificate (chain) in this PEM file, for a
@@ -81,6 +103,7 @@ struct Cli {
         value_name = "FILE",
         env = "PGFENCE_TLS_CERT",
         global = true,
+        help_heading = CONNECTION,
         requires_all = ["tls_key", "tls_root_cert"]
     )]
     tls_cert: Option<std::path::PathBuf>,
@@ -91,6 +114,7 @@ struct Cli {
         value_name = "FILE",
         env = "PGFENCE_TLS_KEY",
         global = true,
+        help_heading = CONNECTION,
         requires = "tls_cert"
     )]
     tls_key: Option<std::path::PathBuf>,
@@ -103,22 +127,34 @@ struct Cli {
         value_enum,
         env = "PGFENCE_POOL_MODE",
         default_value = "session",
-        global = true
+        global = true,
+        help_heading = CONNECTION
     )]
     pool_mode: PoolModeArg,
 
     /// The KV table, `table` or `schema.table`; the lease lives in `<table>_lease`.
-    #[arg(long, value_name = "NAME", default_value = "pgfence_kv", global = true)]
+    #[arg(
+        long,
+        value_name = "NAME",
+        env = "PGFENCE_TABLE",
+        default_value = "pgfence_kv",
+        global = true,
+        help_heading = GLOBAL
+    )]
     table: String,
 
     /// Write commands (put, rm, import, hold, audit): create the database if it does not exist.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = GLOBAL)]
     create_database: bool,
 
-    /// Output JSON (one object a line; see docs/cli.md) instead of text. `hold` and `export`
-    /// always print JSON.
-    #[arg(long, global = true)]
+    /// Output JSON (one object a line; see docs/cli.md) instead of text, errors included.
+    /// `hold` and `export` always print JSON.
+    #[arg(long, global = true, help_heading = GLOBAL)]
     json: bool,
+
+    /// `--table` came from `PGFENCE_TABLE`, for naming it in an error.
+    #[arg(skip)]
+    table_from_env: bool,
 
     #[command(subcommand)]
     command: Command,
@@ -163,6 +199,10 @@ enum Command {
         /// Read the value from FILE instead (`-`: stdin).
         #[arg(long, value_name = "FILE")]
         value_file: Option<PathBuf>,
+        /// Write an empty value. Without it an empty value is refused: a script whose value
+        /// went missing must not blank the key.
+        #[arg(long)]
+        allow_empty: bool,
     },
     /// Removes a key under the lease, taken for this command only (exit 3 if held).
     Rm(KeyArgs),
@@ -180,7 +220,7 @@ enum Command {
         prefix: Option<String>,
     },
     /// Takes the lease and keeps it until SIGINT/SIGTERM, then releases it. Prints one JSON
-    /// line per event: waiting, acquired, write, lost, released.
+    /// line per event: waiting, retrying, acquired, write, lost, released.
     Hold(HoldArgs),
     /// Break-glass: expires the lease whoever holds it, so a standby can take over at once.
     /// The holder is fenced from its next write and fails closed. Needs --force --yes.
@@ -195,7 +235,11 @@ enum Command {
     /// Checks the deployment before it is trusted: server version, privileges, durability
     /// settings, timeouts, clock, TLS, and the table. A pass/warn/fail table; exit 1 if a
     /// check fails. Creates nothing and never takes the lease.
-    Doctor,
+    Doctor {
+        /// Check a read-only role: the rights of status, get, ls and export only.
+        #[arg(long)]
+        read_only: bool,
+    },
     /// Every row as a JSON line {primary_namespace, secondary_namespace, key, value (base64)}.
     /// Reads without the lease: rows changed while it runs may or may not be included.
     Export {
@@ -218,6 +262,14 @@ enum Command {
         /// overwritten, others kept).
         #[arg(long, requires = "from_ldk_fs")]
         force: bool,
+        /// With --from-ldk-fs: also move a node's secrets found in DIR (`keys_seed`, say),
+        /// which are refused otherwise.
+        #[arg(long, requires = "from_ldk_fs")]
+        include_secrets: bool,
+        /// Import nothing without an error when the input or DIR holds no key (refused
+        /// otherwise: a wrong file or directory is the likelier cause).
+        #[arg(long)]
+        allow_empty: bool,
     },
     /// Checks that fencing holds on this deployment: holder processes of its own write to a
     /// table of its own while it injects faults, then the data is checked. Exit 7 on a
@@ -243,9 +295,9 @@ struct KeyArgs {
 
 #[derive(Debug, Args)]
 struct HoldArgs {
-    /// Lease TTL in seconds; renewal runs every TTL/3 and the store fails closed 2/3 TTL after
-    /// the last confirmed renewal, before the database expiry.
-    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_secs)]
+    /// Lease TTL (`30s`, `1m`; a bare number is seconds); renewal runs every TTL/3 and the store
+    /// fails closed 2/3 TTL after the last confirmed renewal, before the database expiry.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_secs)]
     ttl: Duration,
 
     /// Stand by until the lease can be taken, instead of failing with exit 3. A graceful
@@ -253,29 +305,57 @@ struct HoldArgs {
     #[arg(long)]
     wait: bool,
 
-    /// Every MS milliseconds, write an increasing counter, continuing from the key's current
-    /// value: `{"counter":N,"epoch":E}`.
-    #[arg(
-        long,
-        value_name = "MS",
-        requires = "counter_key",
-        value_parser = clap::value_parser!(u64).range(1..)
-    )]
-    write_every: Option<u64>,
+    /// Every DURATION (`250ms`, `1s`; a bare number is milliseconds), write an increasing
+    /// counter, continuing from the key's current value: `{"counter":N,"epoch":E}`.
+    #[arg(long, value_name = "DURATION", requires = "counter_key", value_parser = parse_interval)]
+    write_every: Option<Duration>,
 
     /// The counter's key: `KEY` (in namespace pgfence/hold) or `NS/SUB/KEY`.
     #[arg(long, value_name = "KEY", requires = "write_every")]
     counter_key: Option<String>,
 
-    /// Serve the store's metrics as Prometheus text on http://ADDR/metrics (for example
-    /// 127.0.0.1:9187). Names and labels: docs/metrics.md.
-    #[arg(long, value_name = "ADDR")]
-    metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve the store's metrics as Prometheus text on http://ADDR/metrics: `HOST:PORT`
+    /// (`127.0.0.1:9187`, `localhost:9187`), or `:PORT` for every interface. Names and labels:
+    /// docs/metrics.md.
+    #[arg(long, value_name = "ADDR", value_parser = metrics::ListenAddr::parse)]
+    metrics_addr: Option<metrics::ListenAddr>,
 }
 
+/// One syntax for every duration option: a number and a unit, `250ms`, `30s`, `1.5s`, `5m` or
+/// `1h`. A bare number is in the option's own unit, `bare`, as its help says: seconds for
+/// `--ttl` and `--duration`, milliseconds for `--write-every` and `--poll-every`.
+fn parse_duration(s: &str, bare: &str) -> Result<Duration, String> {
+    let at = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(at);
+    let scale = match if unit.is_empty() { bare } else { unit } {
+        "ms" => 0.001,
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => {
+            return Err(format!(
+                "{s:?}: expected a number with ms, s, m or h (250ms, 30s, 5m, 1h)"
+            ));
+        }
+    };
+    let n: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (250ms, 30s, 5m, 1h)"))?;
+    Duration::try_from_secs_f64(n * scale).map_err(|_| format!("{s:?} is not a valid duration"))
+}
+
+/// A duration whose bare number is seconds.
 fn parse_secs(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is not a valid duration"))
+    parse_duration(s, "s")
+}
+
+/// A duration whose bare number is milliseconds; at least one millisecond.
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    match parse_duration(s, "ms")? {
+        d if d < Duration::from_millis(1) => Err(format!("{s:?}: at least 1ms")),
+        d => Ok(d),
+    }
 }
 
 fn main() -> ExitCode {
@@ -283,6 +363,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
+    exit::JSON.store(cli.json, std::sync::atomic::Ordering::Relaxed);
     init_logging();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -311,12 +392,20 @@ fn parse_cli() -> Result<Cli, clap::Error> {
     for id in empty {
         command = command.mut_arg(id, |arg| arg.env(None::<&'static str>));
     }
-    Cli::from_arg_matches_mut(&mut command.try_get_matches()?)
+    let mut matches = command.try_get_matches()?;
+    let table_from_env =
+        matches.value_source("table") == Some(clap::parser::ValueSource::EnvVariable);
+    let mut cli = Cli::from_arg_matches_mut(&mut matches)?;
+    cli.table_from_env = table_from_env;
+    Ok(cli)
 }
 
 /// Help and version go to stdout as clap renders them; a usage error becomes one line.
 fn clap_exit(e: clap::Error) -> ExitCode {
-    use clap::error::ErrorKind;
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    // Not parsed: `--json` is looked for as a word of the command line.
+    let json = std::env::args_os().skip(1).take_while(|a| a != "--").any(|a| a == "--json");
+    exit::JSON.store(json, std::sync::atomic::Ordering::Relaxed);
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = e.print();
@@ -329,17 +418,31 @@ fn clap_exit(e: clap::Error) -> ExitCode {
         }
         _ => {}
     }
-    let suggestion = match (e.kind(), e.get(clap::error::ContextKind::InvalidSubcommand)) {
-        (ErrorKind::InvalidSubcommand, Some(clap::error::ContextValue::String(typed))) => {
-            closest_command(typed).map(|name| format!("; did you mean '{name}'?"))
-        }
+    let typed = match e.get(ContextKind::InvalidSubcommand).or(e.get(ContextKind::InvalidArg)) {
+        Some(ContextValue::String(typed)) => Some(typed.clone()),
         _ => None,
     };
+    let suggestion = match (e.kind(), &typed) {
+        (ErrorKind::InvalidSubcommand, Some(typed)) => {
+            closest(typed, Cli::command().get_subcommands().map(|c| c.get_name().to_owned()))
+        }
+        (ErrorKind::UnknownArgument, Some(typed)) if typed.starts_with("--") => {
+            closest(typed, option_names())
+        }
+        _ => None,
+    }
+    .map(|name| format!("; did you mean '{name}'?"));
     let rendered = e.render().to_string();
     // clap's message is the paragraph before the first blank line; keep its usage line too.
     let message: Vec<&str> =
         rendered.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
-    let message = message.join(" ");
+    let mut message = message.join(" ");
+    if matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+        if let Some(arg) = typed.as_deref().and_then(from_environment) {
+            // clap names the option, though the value came from its variable.
+            message = message.replace(&format!("'{}'", arg.1), &arg.0);
+        }
+    }
     let message = message.strip_prefix("error: ").unwrap_or(&message);
     let usage = rendered.lines().find_map(|l| l.strip_prefix("Usage: "));
     let message = format!("{message}{}", suggestion.unwrap_or_default());
@@ -350,11 +453,42 @@ fn clap_exit(e: clap::Error) -> ExitCode {
     fail(Exit::usage(line))
 }
 
-/// The command nearest to a mistyped one, if it is close (at most 2 edits).
-fn closest_command(typed: &str) -> Option<String> {
-    Cli::command()
-        .get_subcommands()
-        .map(|command| command.get_name().to_owned())
+/// For an option clap names as `--name <VALUE>` in an error: if its value came from its
+/// environment variable (set, and the option absent from the command line), how to name it,
+/// `PGFENCE_POOL_MODE (the variable of --pool-mode)`, and clap's name of it.
+fn from_environment(shown: &str) -> Option<(String, String)> {
+    let long = shown.strip_prefix("--")?.split(' ').next()?;
+    let command = Cli::command();
+    let arg = command.get_arguments().find(|arg| arg.get_long() == Some(long))?;
+    let variable = arg.get_env()?.to_str()?.to_owned();
+    std::env::var_os(&variable).filter(|value| !value.is_empty())?;
+    let option = format!("--{long}");
+    let given = std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a.to_str().is_some_and(|a| a == option || a.starts_with(&format!("{option}="))));
+    (!given).then(|| (format!("{variable} (the variable of {option})"), shown.to_owned()))
+}
+
+/// The long options, `--name`, of the command line's command and the global ones, for
+/// suggestions. The command is the first word that names one.
+fn option_names() -> Vec<String> {
+    let command = Cli::command();
+    let named = std::env::args().skip(1).find_map(|word| {
+        command.get_subcommands().find(|c| c.get_name() == word && !c.is_hide_set())
+    });
+    let arguments =
+        command.get_arguments().chain(named.into_iter().flat_map(|c| c.get_arguments()));
+    arguments
+        .filter(|arg| !arg.is_hide_set())
+        .filter_map(|arg| arg.get_long().map(|long| format!("--{long}")))
+        .collect()
+}
+
+/// The name nearest to a mistyped one, if it is close (at most 2 edits).
+fn closest(typed: &str, names: impl IntoIterator<Item = String>) -> Option<String> {
+    names
+        .into_iter()
         .map(|name| (edit_distance(typed, &name), name))
         .filter(|(distance, _)| *distance <= 2)
         .min()
@@ -413,7 +547,17 @@ async fn run(cli: Cli) -> Result<(), Exit> {
     }
     // Bad input and the table name are refused before anything connects.
     check_input(&cli.command)?;
-    builder.clone().inspect().await?;
+    let _ = privileges::COMMAND.set((
+        command_name(&cli.command),
+        uses(&cli.command),
+        cli.table.clone(),
+    ));
+    builder.clone().inspect().await.map_err(|e| match e {
+        pgfence::Error::InvalidConfig { field: "table", .. } if cli.table_from_env => {
+            Exit::usage(format!("PGFENCE_TABLE (the variable of --table): {e}"))
+        }
+        e => e.into(),
+    })?;
     let target = Target {
         config: resolved.config,
         tls,
@@ -428,7 +572,7 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         | Command::Export { .. }
         | Command::Release { .. } => target.require_table().await?,
         // It reports what is missing as a failed check.
-        Command::Doctor => {}
+        Command::Doctor { .. } => {}
         // A holder rides out connection errors, as `hold --wait` does.
         Command::AuditHolder(_) => target.require_database(false, true).await?,
         Command::Put { .. }
@@ -460,10 +604,17 @@ async fn run(cli: Cli) -> Result<(), Exit> {
             let mut out = io::stdout().lock();
             out.write_all(&value).and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
         }
-        Command::Put { key: k, value, value_file } => {
+        Command::Put { key: k, value, value_file, allow_empty } => {
             // Bad input changes nothing: checked before the lease is taken.
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
             let value = put_value(value, value_file)?;
+            if value.is_empty() && !allow_empty {
+                return Err(Exit::usage(format!(
+                    "the value for {}/{}/{} is empty: refusing to blank the key (pass \
+                     --allow-empty to write an empty value)",
+                    k.primary_namespace, k.secondary_namespace, k.key
+                )));
+            }
             let store = builder.open().await?;
             let epoch = store.fencing_token();
             let written =
@@ -516,13 +667,46 @@ async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Hold(args) => hold::hold(builder, args, target).await,
         Command::Release { force, yes } => release(builder, force && yes, json).await,
         Command::Export { out } => export(builder, out).await,
-        Command::Doctor => doctor::doctor(builder, &target, json).await,
-        Command::Import { from_ldk_fs: Some(dir), force, .. } => {
-            import_ldk_fs(builder, dir, force, json).await
+        Command::Doctor { read_only } => doctor::doctor(builder, &target, read_only, json).await,
+        Command::Import { from_ldk_fs: Some(dir), force, include_secrets, allow_empty, .. } => {
+            let asked = ImportAsked { force, include_secrets, allow_empty };
+            import_ldk_fs(builder, dir, asked, json).await
         }
-        Command::Import { input, .. } => import(builder, input, json).await,
+        Command::Import { input, allow_empty, .. } => {
+            import(builder, input, allow_empty, json).await
+        }
         Command::Audit(args) => audit::audit(builder, target, args, holder_env, json).await,
         Command::AuditHolder(args) => audit::holder(target, args).await,
+    }
+}
+
+/// The command's name, as users type it.
+fn command_name(command: &Command) -> &'static str {
+    match command {
+        Command::Status => "status",
+        Command::Get(_) => "get",
+        Command::Put { .. } => "put",
+        Command::Rm(_) => "rm",
+        Command::Ls { .. } => "ls",
+        Command::Hold(_) => "hold",
+        Command::Release { .. } => "release",
+        Command::Doctor { .. } => "doctor",
+        Command::Export { .. } => "export",
+        Command::Import { .. } => "import",
+        Command::Audit(_) => "audit",
+        Command::AuditHolder(_) => "audit-holder",
+    }
+}
+
+/// What the command does with the tables, for the rights it needs.
+fn uses(command: &Command) -> privileges::Use {
+    use privileges::Use;
+    match command {
+        Command::Get(_) | Command::Ls { .. } | Command::Export { .. } => Use::Read,
+        Command::Status => Use::Status,
+        Command::Release { .. } => Use::Release,
+        Command::Doctor { read_only: true } => Use::Reader,
+        _ => Use::Write,
     }
 }
 
@@ -551,8 +735,24 @@ use crate::ldk_import::import_ldk_fs;
 
 /// Without the `ldk-import` feature, `check_input` refuses `--from-ldk-fs` before this.
 #[cfg(not(feature = "ldk-import"))]
-async fn import_ldk_fs(_: pgfence::Builder, _: PathBuf, _: bool, _: bool) -> Result<(), Exit> {
+async fn import_ldk_fs(
+    _: pgfence::Builder,
+    _: PathBuf,
+    _: ImportAsked,
+    _: bool,
+) -> Result<(), Exit> {
     Err(no_ldk_import())
+}
+
+/// What `import --from-ldk-fs` was asked to allow.
+#[cfg_attr(not(feature = "ldk-import"), allow(dead_code))]
+pub(crate) struct ImportAsked {
+    /// Into a table that holds keys.
+    pub(crate) force: bool,
+    /// A node's secrets too.
+    pub(crate) include_secrets: bool,
+    /// An empty directory.
+    pub(crate) allow_empty: bool,
 }
 
 #[cfg(not(feature = "ldk-import"))]
@@ -564,6 +764,20 @@ fn no_ldk_import() -> Exit {
 /// anything connects.
 fn check_input(command: &Command) -> Result<(), Exit> {
     match command {
+        Command::Put { key: k, value: Some(value), .. } => {
+            check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
+            // VALUE may start with `-`, so a mistyped option would be written as the value.
+            let separated = std::env::args_os().any(|a| a == "--");
+            if let Some(option) = value.to_str().filter(|v| v.starts_with("--") && !separated) {
+                let nearest = closest(option, option_names())
+                    .map(|name| format!(" (did you mean '{name}'?)"))
+                    .unwrap_or_default();
+                return Err(Exit::usage(format!(
+                    "VALUE {option:?} looks like an option{nearest}; to write it as the value, \
+                     put it after `--`: put NS SUB KEY -- {option}"
+                )));
+            }
+        }
         Command::Get(k) | Command::Put { key: k, .. } | Command::Rm(k) => {
             check_key(&k.primary_namespace, &k.secondary_namespace, &k.key)?;
         }
@@ -579,6 +793,7 @@ fn check_input(command: &Command) -> Result<(), Exit> {
         Command::Hold(args) => {
             args.counter_key.as_deref().map(CounterKey::parse).transpose()?;
         }
+        Command::Audit(args) => audit::check_args(args)?,
         #[cfg(not(feature = "ldk-import"))]
         Command::Import { from_ldk_fs: Some(_), .. } => return Err(no_ldk_import()),
         _ => {}

@@ -23,12 +23,47 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most bytes of a request read: a scrape's request is a few hundred.
 const MAX_REQUEST: usize = 8 << 10;
 
+/// `--metrics-addr`: `HOST:PORT`, with a host name or an address (`[::1]:9187` for IPv6), or
+/// `:PORT` for every interface, as Prometheus exporters take it.
+#[derive(Debug, Clone)]
+pub(crate) struct ListenAddr {
+    /// `None`: every interface.
+    host: Option<String>,
+    port: u16,
+    /// As given, for messages.
+    shown: String,
+}
+
+impl ListenAddr {
+    /// Checks the form only; a host name is resolved when bound.
+    pub(crate) fn parse(s: &str) -> Result<ListenAddr, String> {
+        let expected = || format!("{s:?}: expected HOST:PORT or :PORT (127.0.0.1:9187, :9187)");
+        let (host, port) = s.rsplit_once(':').ok_or_else(expected)?;
+        let port: u16 = port.parse().map_err(|_| expected())?;
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        if host.contains(':') && host.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(format!("{s:?}: an IPv6 address goes in brackets, [::1]:9187"));
+        }
+        let host = (!host.is_empty()).then(|| host.to_owned());
+        Ok(ListenAddr { host, port, shown: s.to_owned() })
+    }
+}
+
 /// Binds the address before anything else happens. An address in use is a usage error at
-/// once, not after the lease was taken.
-pub(crate) async fn bind(addr: SocketAddr) -> Result<TcpListener, Exit> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|e| Exit::usage(format!("--metrics-addr {addr}: cannot listen: {e}")))
+/// once, not after the lease was taken. `:PORT` listens on every IPv6 and IPv4 interface,
+/// or on every IPv4 one where IPv6 is off. A host name is bound at its first address that
+/// works.
+pub(crate) async fn bind(addr: &ListenAddr) -> Result<TcpListener, Exit> {
+    let bound = match &addr.host {
+        Some(host) => TcpListener::bind((host.as_str(), addr.port)).await,
+        None => match TcpListener::bind(SocketAddr::from(([0u16; 8], addr.port))).await {
+            Err(e) if e.kind() != std::io::ErrorKind::AddrInUse => {
+                TcpListener::bind(SocketAddr::from(([0u8; 4], addr.port))).await
+            }
+            other => other,
+        },
+    };
+    bound.map_err(|e| Exit::usage(format!("--metrics-addr {}: cannot listen: {e}", addr.shown)))
 }
 
 /// Serves scrapes until the process exits. Until the store is open (a standby waiting),

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
-use crate::exit::Exit;
+use crate::exit::{Exit, denied};
 use crate::output::secs;
 
 /// The connect timeout when `PGCONNECT_TIMEOUT` sets none: the library's default.
@@ -112,7 +112,9 @@ impl Target {
         let row = client
             .query_typed_one(TABLES_EXIST, &[(&kv, Type::TEXT), (&lease, Type::TEXT)])
             .await
-            .map_err(|e| Exit::other("check the table", &e))?;
+            .map_err(|e| {
+                denied("check the table", &e).unwrap_or(Exit::other("check the table", &e))
+            })?;
         let (has_kv, has_lease): (bool, bool) = (row.get(0), row.get(1));
         let database = self.database();
         match (has_kv, has_lease) {

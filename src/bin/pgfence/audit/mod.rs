@@ -40,11 +40,38 @@ const SUB_NAMESPACE: &str = "w";
 /// Exit code of an audit that found a violation.
 const VIOLATION_EXIT: u8 = 7;
 
+/// Exit code of an audit that did not exercise enough: a fault kind it was to inject was not
+/// injected, or writes never resumed after it. A mistyped `--duration` must not pass a CI job.
+const TOO_LITTLE_EXIT: u8 = 8;
+
+/// Refuses, before anything runs, a duration too short for every fault kind to get its turn.
+/// A fault comes at least TTL/2 after the last one's writes resumed, and a paused or killed
+/// holder is taken over about a TTL after it stopped renewing. So each kind needs about two
+/// TTLs at the least; the check at the end is what counts.
+pub(crate) fn check_args(args: &AuditArgs) -> Result<(), Exit> {
+    let mut kinds = args.faults.clone();
+    kinds.sort();
+    kinds.dedup();
+    let least = args.ttl * 2 * kinds.len().max(1) as u32;
+    if args.duration < least {
+        return Err(Exit::usage(format!(
+            "--duration {}: too short to inject {} fault kind(s) at TTL {}; give it at least {} \
+             (the default is 5m)",
+            report::human(args.duration),
+            kinds.len(),
+            report::human(args.ttl),
+            report::human(least)
+        )));
+    }
+    Ok(())
+}
+
 /// `pgfence audit`'s arguments.
 #[derive(Debug, Args)]
 pub(crate) struct AuditArgs {
-    /// How long to inject faults: `90s`, `5m`, `1h`, or seconds.
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    /// How long to inject faults: `90s`, `5m`, `1h` (a bare number is seconds). Long enough for
+    /// every fault kind: a run that did not inject each and see writes resume fails (exit 8).
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = crate::parse_secs)]
     duration: Duration,
 
     /// Seed of the fault schedule (kinds, gaps, pause lengths); printed, so a run can be
@@ -57,19 +84,18 @@ pub(crate) struct AuditArgs {
           value_parser = clap::value_parser!(u64).range(2..=16))]
     holders: u64,
 
-    /// The holders' lease TTL in seconds.
-    #[arg(long, value_name = "SECS", default_value = "5", value_parser = crate::parse_secs)]
+    /// The holders' lease TTL (`5s`; a bare number is seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::parse_secs)]
     ttl: Duration,
 
-    /// The lease holder writes a new key every MS milliseconds.
-    #[arg(long, value_name = "MS", default_value = "20",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    write_every: u64,
+    /// The lease holder writes a new key this often (`20ms`; a bare number is milliseconds).
+    #[arg(long, value_name = "DURATION", default_value = "20ms", value_parser = crate::parse_interval)]
+    write_every: Duration,
 
-    /// The observer takes a snapshot every MS milliseconds: the commit-order check's window.
-    #[arg(long, value_name = "MS", default_value = "25",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    poll_every: u64,
+    /// The observer takes a snapshot this often (a bare number is milliseconds): the
+    /// commit-order check's window.
+    #[arg(long, value_name = "DURATION", default_value = "25ms", value_parser = crate::parse_interval)]
+    poll_every: Duration,
 
     /// The faults to inject, comma-separated.
     #[arg(
@@ -89,8 +115,8 @@ pub(crate) struct AuditArgs {
     #[arg(long, hide = true)]
     unfenced: bool,
 
-    /// Tests the audit's cleanup: it panics this many seconds in, with its holders running.
-    #[arg(long, value_name = "SECS", hide = true, value_parser = crate::parse_secs)]
+    /// Tests the audit's cleanup: it panics this long in, with its holders running.
+    #[arg(long, value_name = "DURATION", hide = true, value_parser = crate::parse_secs)]
     panic_after: Option<Duration>,
 }
 
@@ -134,21 +160,6 @@ impl Violation {
     }
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let (number, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
-        Some(at) => s.split_at(at),
-        None => (s, "s"),
-    };
-    let scale = match unit {
-        "s" => 1.0,
-        "m" => 60.0,
-        "h" => 3600.0,
-        _ => return Err(format!("{s:?}: expected a number with s, m or h (90s, 5m, 1h)")),
-    };
-    let n: f64 = number.parse().map_err(|_| format!("{s:?} is not a duration (90s, 5m, 1h)"))?;
-    Duration::try_from_secs_f64(n * scale).map_err(|_| format!("{s:?} is not a valid duration"))
-}
-
 /// The seeded random numbers of the fault schedule: splitmix64, small and the same everywhere.
 struct Rng(u64);
 
@@ -159,6 +170,15 @@ impl Rng {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+
+    /// `items` in a random order (Fisher-Yates).
+    fn shuffled<T: Copy>(&mut self, items: &[T]) -> Vec<T> {
+        let mut items = items.to_vec();
+        for i in (1..items.len()).rev() {
+            items.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+        items
     }
 
     /// A duration between `low` and `high`.
@@ -193,6 +213,7 @@ pub(crate) async fn audit(
         now.map_or(0, |d| d.as_nanos() as u64) % 1_000_000_000
     });
     let table = audit_table(&target.table, seed);
+    let duration = args.duration;
     // Printed first: an interrupted or crashed run can still be repeated.
     eprintln!("pgfence: audit seed {seed}, table {table}, {:?}", args.duration);
     let target = Target { table: table.clone(), ..target };
@@ -232,13 +253,24 @@ pub(crate) async fn audit(
         eprintln!("pgfence: warning: cannot drop the audit's table {table}: {e}");
     }
     report.print(json)?;
-    if report.violations.is_empty() {
-        Ok(())
-    } else {
+    let gaps = report.coverage_gaps();
+    if !report.violations.is_empty() {
         Err(Exit {
             code: VIOLATION_EXIT,
             message: format!("audit found {} violation(s) (seed {seed})", report.violations.len()),
         })
+    } else if !gaps.is_empty() {
+        Err(Exit {
+            code: TOO_LITTLE_EXIT,
+            message: format!(
+                "audit did not exercise enough, so it shows nothing (seed {seed}): {}; run it \
+                 longer than --duration {}",
+                gaps.join("; "),
+                report::human(duration)
+            ),
+        })
+    } else {
+        Ok(())
     }
 }
 
@@ -358,7 +390,7 @@ impl Run {
             .arg(&self.target.table)
             .arg("audit-holder")
             .args(["--ttl", &self.args.ttl.as_secs_f64().to_string()])
-            .args(["--write-every", &self.args.write_every.to_string()])
+            .args(["--write-every", &self.args.write_every.as_millis().max(1).to_string()])
             .args(["--name", &name]);
         if let Some(proxy) = &self.proxies[slot] {
             command.args(["--proxy", &proxy.addr.to_string()]);
@@ -426,8 +458,10 @@ async fn run(
     kinds.dedup();
     let upstream = Upstream::of(&target.config);
     let use_proxy = kinds.contains(&FaultKind::Cut) && target.tls.is_none() && upstream.is_some();
+    let mut skipped = Vec::new();
     if kinds.contains(&FaultKind::Cut) && !use_proxy {
         kinds.retain(|k| *k != FaultKind::Cut);
+        skipped.push(FaultKind::Cut);
         notes.push(if target.tls.is_some() {
             "cut: not injected: a TLS connection cannot go through the proxy".to_owned()
         } else {
@@ -448,11 +482,7 @@ async fn run(
     }
     let admin = connect(&target).await?;
     let (stop_observer, observer_stop) = watch::channel(false);
-    let observer = tokio::spawn(observer::observe(
-        target.clone(),
-        Duration::from_millis(args.poll_every),
-        observer_stop,
-    ));
+    let observer = tokio::spawn(observer::observe(target.clone(), args.poll_every, observer_stop));
     let (sender, mut events) = mpsc::unbounded_channel();
     let ttl = args.ttl;
     let duration = args.duration;
@@ -466,11 +496,17 @@ async fn run(
 
     let mut report = Report::new(seed, duration, holders, ttl, &run.target.table, setup_epoch);
     report.notes = notes;
+    report.kinds = run.args.faults.clone();
+    report.skipped = skipped;
     let start = Instant::now();
     let deadline = start + duration;
     // Stall bound: a fault after which no write is acknowledged for this long.
     let stall = ttl * 4 + run.target.connect_timeout + Duration::from_secs(10);
-    let mut next_fault = start + rng.between(ttl / 2, ttl * 2);
+    // The kinds come in rounds, each a seeded shuffle of them all, so every kind gets its turn
+    // early: the first round's gaps are the shortest, TTL/2. Later gaps are random.
+    let mut round: Vec<FaultKind> = Vec::new();
+    let mut rounds = 0u32;
+    let mut next_fault = start + ttl / 2;
     let mut stopped: Option<(u32, Instant)> = None;
     let mut early_failures = 0u32;
     let mut ticks = tokio::time::interval(Duration::from_millis(20));
@@ -547,9 +583,22 @@ async fn run(
         if kinds.is_empty() {
             continue;
         }
-        let kind = kinds[(rng.next() % kinds.len() as u64) as usize];
+        let kind = loop {
+            if round.is_empty() {
+                round = rng.shuffled(&kinds);
+                rounds += 1;
+            }
+            // A kind found impossible here since its round began is skipped.
+            match round.pop() {
+                Some(kind) if kinds.contains(&kind) => break kind,
+                _ => continue,
+            }
+        };
         let pause = rng.between(ttl * 3 / 2, ttl * 2);
-        let gap = rng.between(ttl / 2, ttl * 2);
+        let gap = match rounds {
+            1 => ttl / 2,
+            _ => rng.between(ttl / 2, ttl * 2),
+        };
         let holder = procs.get_mut(&pid).ok_or_else(|| Exit::usage("no holder"))?;
         let epoch = holder.epoch.unwrap_or(0);
         let mut injected = Injected::new(kind, mono(), epoch);
@@ -574,6 +623,7 @@ async fn run(
                         // Not allowed for this role (or not here): noted, and not tried again.
                         report.notes.push(format!("backend: not injected: {}", chain(&e)));
                         kinds.retain(|k| *k != FaultKind::Backend);
+                        report.skipped.push(FaultKind::Backend);
                         continue;
                     }
                 }

@@ -49,6 +49,11 @@ pub(super) struct Report {
     pub(super) faults: Vec<Injected>,
     pub(super) violations: Vec<Violation>,
     pub(super) notes: Vec<String>,
+    /// The fault kinds asked for (`--faults`).
+    pub(super) kinds: Vec<FaultKind>,
+    /// The kinds that cannot be injected on this deployment (a note says why): not counted
+    /// against the coverage.
+    pub(super) skipped: Vec<FaultKind>,
     pub(super) snapshots: u64,
     pub(super) observer_errors: u64,
     pub(super) rows: u64,
@@ -76,6 +81,8 @@ impl Report {
             faults: Vec::new(),
             violations: Vec::new(),
             notes: Vec::new(),
+            kinds: Vec::new(),
+            skipped: Vec::new(),
             snapshots: 0,
             observer_errors: 0,
             rows: 0,
@@ -131,12 +138,45 @@ impl Report {
         writeln!(out, "{text}").and_then(|()| out.flush()).map_err(|e| Exit::other("stdout", &e))
     }
 
+    /// The faults of each kind asked for (none yet: an empty list), and of any other injected.
     fn by_kind(&self) -> BTreeMap<FaultKind, Vec<&Injected>> {
         let mut by_kind: BTreeMap<FaultKind, Vec<&Injected>> = BTreeMap::new();
+        for kind in &self.kinds {
+            by_kind.entry(*kind).or_default();
+        }
         for fault in &self.faults {
             by_kind.entry(fault.kind).or_default().push(fault);
         }
         by_kind
+    }
+
+    /// Whether a kind was exercised: injected, and followed by resumed writes (or by a stall,
+    /// itself a finding). A fault injected just before the end, with no outcome yet, does not
+    /// count.
+    fn covered(faults: &[&Injected]) -> bool {
+        faults.iter().any(|f| f.resumed.is_some() || f.stalled)
+    }
+
+    /// What the run did not exercise, one phrase each; empty when it did enough. Every kind
+    /// asked for and possible here must be covered, and writes must have been checked.
+    pub(super) fn coverage_gaps(&self) -> Vec<String> {
+        let mut gaps = Vec::new();
+        if self.acks.is_empty() {
+            gaps.push("no write was acknowledged".to_owned());
+        }
+        if self.snapshots == 0 {
+            gaps.push("the observer took no snapshot".to_owned());
+        }
+        for (kind, faults) in self.by_kind() {
+            if self.skipped.contains(&kind) || Report::covered(&faults) {
+                continue;
+            }
+            gaps.push(match faults.len() {
+                0 => format!("{} never injected", kind.name()),
+                _ => format!("{} injected, but writes had not resumed by the end", kind.name()),
+            });
+        }
+        gaps
     }
 
     fn text(&self) -> String {
@@ -162,18 +202,24 @@ impl Report {
                 self.snapshots, self.observer_errors
             ),
             format!(
-                "  {:<8} {:>8} {:>12} {:>8}   writes resumed after (median / p99)",
-                "fault", "injected", "lease moved", "stalled"
+                "  {:<8} {:>8} {:>12} {:>8} {:>8}   writes resumed after (median / p99)",
+                "fault", "injected", "lease moved", "stalled", "covered"
             ),
         ];
         for (kind, faults) in self.by_kind() {
             let resumed: Vec<Duration> = faults.iter().filter_map(|f| f.resumed).collect();
+            let covered = match (self.skipped.contains(&kind), Report::covered(&faults)) {
+                (true, _) => "skipped",
+                (false, true) => "yes",
+                (false, false) => "NO",
+            };
             lines.push(format!(
-                "  {:<8} {:>8} {:>12} {:>8}   {}",
+                "  {:<8} {:>8} {:>12} {:>8} {:>8}   {}",
                 kind.name(),
                 faults.len(),
                 faults.iter().filter(|f| f.moved.is_some()).count(),
                 faults.iter().filter(|f| f.stalled).count(),
+                covered,
                 percentiles(&resumed)
             ));
         }
@@ -193,6 +239,11 @@ impl Report {
         for note in &self.notes {
             lines.push(format!("  note: {note}"));
         }
+        let gaps = self.coverage_gaps();
+        lines.push(match gaps.is_empty() {
+            true => "coverage: every fault kind injected, and writes resumed after it".to_owned(),
+            false => format!("coverage: not enough: {}", gaps.join("; ")),
+        });
         lines.push(format!("violations: {}", self.violations.len()));
         for violation in &self.violations {
             lines.push(format!("  {}: {}", violation.kind, violation.detail));
@@ -218,6 +269,8 @@ impl Report {
                 let sessions: i64 = faults.iter().filter_map(|f| f.sessions).sum();
                 let mut entry = json!({
                     "injected": faults.len(),
+                    "covered": Report::covered(&faults),
+                    "skipped": self.skipped.contains(&kind),
                     "lease_moved": moved.len(),
                     "stalled": faults.iter().filter(|f| f.stalled).count(),
                     "resumed_ms": stats_json(&resumed),
@@ -248,6 +301,7 @@ impl Report {
                 FaultKind::Stop, FaultKind::Kill, FaultKind::Backend, FaultKind::Cut,
             ])),
             "notes": self.notes,
+            "coverage": { "ok": self.coverage_gaps().is_empty(), "gaps": self.coverage_gaps() },
             "violations": self.violations.iter().map(|v| json!({
                 "kind": v.kind,
                 "detail": v.detail,
@@ -284,7 +338,7 @@ fn stats_json(values: &[Duration]) -> Value {
 }
 
 /// `850 ms` or `3.2 s`.
-fn human(duration: Duration) -> String {
+pub(super) fn human(duration: Duration) -> String {
     if duration < Duration::from_secs(1) {
         format!("{} ms", duration.as_millis())
     } else {
@@ -309,11 +363,46 @@ mod tests {
 
     #[test]
     fn durations_parse_with_units() {
-        let secs = |s| super::super::parse_duration(s).map(|d| d.as_secs());
-        assert_eq!(secs("90"), Ok(90));
-        assert_eq!(secs("90s"), Ok(90));
-        assert_eq!(secs("5m"), Ok(300));
-        assert_eq!(secs("1h"), Ok(3600));
-        assert!(secs("5x").is_err());
+        let secs = |s| crate::parse_secs(s).map(|d| d.as_secs_f64());
+        assert_eq!(secs("90"), Ok(90.0));
+        assert_eq!(secs("90s"), Ok(90.0));
+        assert_eq!(secs("1.5s"), Ok(1.5));
+        assert_eq!(secs("250ms"), Ok(0.25));
+        assert_eq!(secs("5m"), Ok(300.0));
+        assert_eq!(secs("1h"), Ok(3600.0));
+        assert!(secs("5x").is_err() && secs("-1s").is_err() && secs("s").is_err());
+        let ms = |s| crate::parse_interval(s).map(|d| d.as_millis());
+        assert_eq!(ms("20"), Ok(20));
+        assert_eq!(ms("1s"), Ok(1000));
+        assert!(ms("0").is_err() && ms("0.5ms").is_err());
+    }
+
+    /// A run is enough only when every kind asked for was injected and writes resumed after
+    /// it; a kind impossible here does not count against it.
+    #[test]
+    fn coverage_counts_each_kind_with_an_outcome() {
+        let mut report = Report::new(1, Duration::from_secs(30), 3, Duration::from_secs(2), "t", 1);
+        report.kinds = vec![FaultKind::Stop, FaultKind::Term, FaultKind::Cut];
+        let gaps = report.coverage_gaps();
+        assert_eq!(gaps.len(), 5, "no writes, no snapshots, three kinds never injected: {gaps:?}");
+        report.acked("k".to_owned(), 2, Duration::from_secs(1), Duration::from_secs(1));
+        report.snapshots = 10;
+        report.faults.push(Injected::new(FaultKind::Stop, Duration::from_secs(2), 2));
+        report.faults.push(Injected::new(FaultKind::Term, Duration::from_secs(9), 3));
+        // Writes of a new epoch after the stop: it resumed. The term has no outcome yet.
+        report.faults[1].resumed = None;
+        report.faults[0].resumed = Some(Duration::from_secs(3));
+        report.skipped = vec![FaultKind::Cut];
+        assert_eq!(
+            report.coverage_gaps(),
+            ["term injected, but writes had not resumed by the end"]
+        );
+        report.faults[1].stalled = true;
+        assert!(report.coverage_gaps().is_empty());
+        let json = report.json();
+        assert_eq!(json["coverage"]["ok"], true);
+        assert_eq!(json["faults"]["cut"]["skipped"], true);
+        assert_eq!(json["faults"]["term"]["covered"], true);
+        assert!(report.text().contains("coverage: every fault kind"), "{}", report.text());
     }
 }
