@@ -1664,6 +1664,41 @@ fn url_for_role(role: &str) -> String {
     format!("host={} port={} user={role} dbname={dbname}", addr.ip(), addr.port())
 }
 
+/// `doctor` names the session defaults a role or the connection's options set that pgfence
+/// overrides for its own writes (issue 27, item 3), and no longer warns of them: `put` through
+/// such a role still commits durably (tests/suite/durability.rs shows that).
+#[test]
+fn doctor_reports_the_session_defaults_pgfence_overrides() {
+    let (table, role) = (unique_name("cli_overrides"), unique_name("cli_weak"));
+    let admin = server().config();
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN SUPERUSER"),
+        format!("ALTER ROLE {role} SET synchronous_commit = off"),
+    ] {
+        query(&admin, &sql);
+    }
+    let url =
+        format!("{} options='-c default_transaction_isolation=serializable'", url_for_role(&role));
+    let ran = run(&url, &table, &["doctor", "--json"], None);
+    let report: Value = serde_json::from_slice(&ran.expect(0, "doctor").stdout).unwrap();
+    let (status, detail) = doctor_check(&report, "session overrides");
+    assert_eq!(status, "pass", "{report}");
+    assert!(detail.contains("synchronous_commit = off (set by the role)"), "{report}");
+    assert!(
+        detail.contains("default_transaction_isolation = serializable (set by the connection's"),
+        "{report}"
+    );
+    assert!(detail.contains("pgfence overrides these"), "{report}");
+    let (status, detail) = doctor_check(&report, "synchronous_commit");
+    assert!(status == "pass" && detail.starts_with("off;"), "{report}");
+    run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put through the role");
+    let plain = run(&server().url(), &table, &["doctor", "--json"], None);
+    let report: Value = serde_json::from_slice(&plain.expect(0, "doctor").stdout).unwrap();
+    assert_eq!(doctor_check(&report, "session overrides").1, "none", "{report}");
+    query(&admin, &format!("REASSIGN OWNED BY {role} TO CURRENT_USER"));
+    query(&admin, &format!("DROP ROLE {role}"));
+}
+
 /// The status and detail of check `name` of a `doctor --json` report.
 fn doctor_check(report: &Value, name: &str) -> (String, String) {
     let checks = report["checks"].as_array().expect("checks");

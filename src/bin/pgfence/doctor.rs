@@ -41,6 +41,34 @@ fn check(name: &'static str, status: Status, detail: impl Into<String>) -> Check
     Check { name, status, detail: detail.into() }
 }
 
+/// What [`SESSION_OVERRIDES`] found. They weaken nothing of pgfence's: it sets both for its own
+/// transactions. They still apply to every other client of the role or database.
+fn overrides_check(rows: &[tokio_postgres::Row]) -> Check {
+    let found: Vec<String> = rows
+        .iter()
+        .map(|row| {
+            let (name, setting, source): (String, String, String) =
+                (row.get(0), row.get(1), row.get(2));
+            let source = match source.as_str() {
+                "user" => "the role",
+                "database" => "the database",
+                "database user" => "the role in this database",
+                _ => "the connection's options",
+            };
+            format!("{name} = {setting} (set by {source})")
+        })
+        .collect();
+    if found.is_empty() {
+        return check("session overrides", Status::Pass, "none");
+    }
+    let detail = format!(
+        "{}; pgfence overrides these for its own writes (synchronous_commit on, read \
+         committed), other clients of this role keep them",
+        found.join(", ")
+    );
+    check("session overrides", Status::Pass, detail)
+}
+
 /// The server-side facts `doctor` reads, in one statement: nothing is created or changed.
 const DOCTOR_FACTS: &str = "SELECT
     current_setting('server_version_num')::int,
@@ -53,6 +81,15 @@ const DOCTOR_FACTS: &str = "SELECT
     extract(epoch FROM clock_timestamp())::float8,
     host(inet_server_addr()),
     inet_server_port()";
+
+/// The session defaults that a role, a database or the connection's options set, and that
+/// pgfence overrides for its own transactions: it commits its writes with at least
+/// `synchronous_commit = on`, at read committed (docs/design.md, "Durability of `Ok`").
+/// `source` names where each comes from; the server's own configuration is not listed.
+const SESSION_OVERRIDES: &str = "SELECT name, setting, source FROM pg_settings
+ WHERE name IN ('synchronous_commit', 'default_transaction_isolation')
+   AND source IN ('database', 'user', 'database user', 'client')
+ ORDER BY name";
 
 /// The role and the table's schema: `$1` is the schema given with the table, NULL for an
 /// unqualified name. That one lives in the schema the store creates it in, `current_schema()`
@@ -176,16 +213,17 @@ async fn doctor_checks(builder: Builder, target: &Target, read_only: bool) -> Ve
     let rtt = started.elapsed().unwrap_or_default();
     checks.push(version_check(facts.get(0), facts.get(1)));
     let (sync_commit, standbys): (String, String) = (facts.get(2), facts.get(3));
-    checks.push(match sync_commit.as_str() {
-        "off" | "local" => check(
-            "synchronous_commit",
-            Status::Warn,
-            format!(
-                "{sync_commit}: an acknowledged write may be lost in a crash; ALTER ROLE ... \
-                 SET synchronous_commit = on"
-            ),
-        ),
-        _ => check("synchronous_commit", Status::Pass, sync_commit.clone()),
+    checks.push(check(
+        "synchronous_commit",
+        Status::Pass,
+        match sync_commit.as_str() {
+            "on" | "remote_apply" => sync_commit.clone(),
+            weaker => format!("{weaker}; pgfence commits its own writes with on"),
+        },
+    ));
+    checks.push(match client.query_typed(SESSION_OVERRIDES, &[]).await {
+        Ok(rows) => overrides_check(&rows),
+        Err(e) => check("session overrides", Status::Warn, chain(&e)),
     });
     checks.push(if standbys.trim().is_empty() {
         check(
