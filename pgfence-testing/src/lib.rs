@@ -14,6 +14,8 @@
 //!   server.
 //! - [`ReplicatedCluster`] is a primary with a streaming replica, synchronous or asynchronous,
 //!   for tests that crash the primary and promote the replica.
+//! - [`PatroniCluster`] is etcd and three PostgreSQL nodes managed by Patroni, for tests of
+//!   switchovers, failovers and split brain as the failover tool itself makes them.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //! - [`unique_name`] gives each test its own table (or database) names, so tests run in parallel
 //!   and reruns start clean.
@@ -66,12 +68,14 @@ use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
 
 mod cluster;
+mod patroni;
 mod pgbouncer;
 mod proxy;
 mod replica;
 mod server;
 
 pub use cluster::TestCluster;
+pub use patroni::PatroniCluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use proxy::Proxy;
 pub use replica::{ReplicatedCluster, Replication};
