@@ -632,3 +632,218 @@ async fn lease_on(cluster: &PatroniCluster, n: usize, t: &str) -> String {
     let row = client.query_one(&sql, &[]).await.unwrap();
     format!("epoch {}, expires in {:.1} s", row.get::<_, i64>(0), row.get::<_, f64>(1))
 }
+
+/// `pgfence audit --fault-cmd` across Patroni's own faults, in synchronous mode, for 60 s: its
+/// command asks this test for the next fault, alternately a switchover and a `kill -9` of the
+/// leader (then restarted, and the cluster healthy again). The audit finds no violation.
+#[cfg(feature = "cli")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_60_second_audit_across_switchovers_and_kills_finds_no_violation() {
+    let (_turn, cluster) = start(Replication::Synchronous).await;
+    let faults = FaultChannel::new();
+    let served = tokio::spawn(serve_faults(cluster.clone(), faults.clone()));
+    let url = cluster.url();
+    let command = faults.command();
+    let args = [
+        "--database-url",
+        &url,
+        "audit",
+        "--duration",
+        "60s",
+        "--seed",
+        "10",
+        "--ttl",
+        "10",
+        "--faults",
+        "cmd",
+        "--fault-cmd",
+        &command,
+        "--json",
+    ]
+    .map(str::to_owned);
+    let started = Instant::now();
+    let audited = tokio::task::spawn_blocking(move || {
+        let mut audit = Command::new(env!("CARGO_BIN_EXE_pgfence"));
+        for variable in pgfence::env::VARIABLES {
+            audit.env_remove(variable);
+        }
+        audit.env_remove("DATABASE_URL").args(&args).stdin(Stdio::null());
+        let child =
+            KillOnDrop(audit.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+        child.wait_with_output(Duration::from_secs(300))
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    faults.stop();
+    let done = within("the fault server", served).await.unwrap();
+    let (code, stdout, stderr) = audited;
+    let report: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("a JSON report ({e}): {stdout:?}, stderr {stderr}"));
+    println!("measured: audit across Patroni faults ({took:?}): {done:?}");
+    println!("measured: audit report: {report}");
+    assert_eq!(report["violations"], serde_json::json!([]), "{report}\n{stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(report["notes"], serde_json::json!([]), "every fault command succeeded");
+    assert!(report["faults"]["cmd"]["injected"].as_u64().unwrap() >= 2, "{report}");
+    assert!(done.iter().any(|d| d.starts_with("switchover")), "{done:?}");
+    assert!(done.iter().any(|d| d.starts_with("kill")), "{done:?}");
+    assert!(report["writes_acknowledged"].as_u64().unwrap() >= 100, "{report}");
+}
+
+/// A child process killed and reaped on drop, however the test ends.
+#[cfg(feature = "cli")]
+struct KillOnDrop(Child);
+
+#[cfg(feature = "cli")]
+impl KillOnDrop {
+    /// Its exit code, stdout and stderr; panics after `limit`.
+    fn wait_with_output(mut self, limit: Duration) -> (Option<i32>, String, String) {
+        let read = |pipe: Option<Box<dyn Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                if let Some(mut pipe) = pipe {
+                    let _ = pipe.read_to_string(&mut text);
+                }
+                text
+            })
+        };
+        let stdout = read(self.0.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let stderr = read(self.0.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "pgfence audit did not end within {limit:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        (status.code(), stdout.join().unwrap(), stderr.join().unwrap())
+    }
+}
+
+#[cfg(feature = "cli")]
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Two named pipes between the audit's `--fault-cmd` and this test: the command writes a
+/// request to one and waits for the answer on the other. Their directory is deleted on drop.
+#[cfg(feature = "cli")]
+#[derive(Clone)]
+struct FaultChannel {
+    dir: Arc<TempDir>,
+}
+
+#[cfg(feature = "cli")]
+struct TempDir(std::path::PathBuf);
+
+#[cfg(feature = "cli")]
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(feature = "cli")]
+impl FaultChannel {
+    fn new() -> FaultChannel {
+        let dir = std::env::temp_dir().join(unique_name("pgfence_faults"));
+        std::fs::create_dir(&dir).unwrap();
+        let dir = TempDir(dir);
+        for name in ["request", "answer"] {
+            let made = Command::new("mkfifo").arg(dir.0.join(name)).status().expect("mkfifo");
+            assert!(made.success(), "mkfifo {name}");
+        }
+        FaultChannel { dir: Arc::new(dir) }
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.0.join(name)
+    }
+
+    /// The `--fault-cmd`: one request, then success only if the answer is `ok`.
+    fn command(&self) -> String {
+        format!(
+            "echo fault > '{}' && read -r answer < '{}' && [ \"$answer\" = ok ]",
+            self.path("request").display(),
+            self.path("answer").display()
+        )
+    }
+
+    /// The next request, once a writer comes (blocks).
+    fn request(&self) -> String {
+        std::fs::read_to_string(self.path("request")).unwrap_or_default().trim().to_owned()
+    }
+
+    /// Writes `line` to `name` if a reader comes within 10 s. Opened without blocking, so that
+    /// a reader that went away (a command the audit killed) cannot hang the test.
+    fn send(&self, name: &str, line: &str) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let opened = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(self.path(name));
+            if let Ok(mut pipe) = opened {
+                let _ = writeln!(pipe, "{line}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Ends [`serve_faults`].
+    fn stop(&self) {
+        self.send("request", "stop");
+    }
+}
+
+/// Answers the audit's fault requests until [`FaultChannel::stop`]: switchovers and kills in
+/// turn. Returns what each did.
+#[cfg(feature = "cli")]
+async fn serve_faults(cluster: Arc<PatroniCluster>, faults: FaultChannel) -> Vec<String> {
+    let mut done = Vec::new();
+    loop {
+        let channel = faults.clone();
+        let request = tokio::task::spawn_blocking(move || channel.request()).await.unwrap();
+        if request == "stop" {
+            return done;
+        }
+        let started = Instant::now();
+        let outcome = if done.len() % 2 == 0 {
+            cluster.switchover(None).await.map(|new| format!("switchover to node {new}"))
+        } else {
+            kill_leader_and_restart(&cluster).await
+        };
+        let answer = match outcome {
+            Ok(what) => {
+                done.push(format!("{what}, healthy after {:?}", started.elapsed()));
+                "ok".to_owned()
+            }
+            Err(e) => {
+                done.push(format!("failed: {e}"));
+                format!("error: {}", e.to_string().lines().next().unwrap_or_default())
+            }
+        };
+        let channel = faults.clone();
+        tokio::task::spawn_blocking(move || channel.send("answer", &answer)).await.unwrap();
+    }
+}
+
+/// `kill -9` of the leader's node, then its restart once another leads; returns once the
+/// cluster is healthy again.
+#[cfg(feature = "cli")]
+async fn kill_leader_and_restart(cluster: &PatroniCluster) -> std::io::Result<String> {
+    let old = cluster.wait_until_healthy().await?;
+    cluster.kill_node(old)?;
+    let new = cluster.wait_for_new_leader(old).await?;
+    cluster.restart_node(old)?;
+    cluster.wait_until_healthy().await?;
+    Ok(format!("kill -9 of node {old}, node {new} leads"))
+}
