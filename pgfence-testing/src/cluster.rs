@@ -702,7 +702,7 @@ pub(crate) fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) {
 
 /// Whether process `pid` is running: it exists and has not exited. A zombie (exited, not yet
 /// reaped by its parent) holds no port, memory or file any more, so it does not count.
-fn is_running(pid: u32) -> bool {
+pub(crate) fn is_running(pid: u32) -> bool {
     // "pid (comm) state ...": the command name may hold spaces and parentheses, so the state is
     // the first field after the last ')'.
     fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
@@ -713,7 +713,7 @@ fn is_running(pid: u32) -> bool {
 
 /// The directory holding `initdb`, `pg_ctl` and `postgres`: the first such directory on
 /// `PATH`, else the newest `/usr/lib/postgresql/<version>/bin`.
-fn find_bin_dir() -> io::Result<PathBuf> {
+pub(crate) fn find_bin_dir() -> io::Result<PathBuf> {
     const TOOLS: [&str; 3] = ["initdb", "pg_ctl", "postgres"];
     let has_tools = |dir: &Path| TOOLS.iter().all(|tool| is_executable(&dir.join(tool)));
     let on_path = std::env::var_os("PATH")

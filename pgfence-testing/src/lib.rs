@@ -14,6 +14,8 @@
 //!   server.
 //! - [`ReplicatedCluster`] is a primary with a streaming replica, synchronous or asynchronous,
 //!   for tests that crash the primary and promote the replica.
+//! - [`PatroniCluster`] is etcd and three PostgreSQL nodes managed by Patroni, for tests of
+//!   switchovers, failovers and split brain as the failover tool itself makes them.
 //! - [`Proxy`] sits between a client and the server and delays, refuses or cuts connections.
 //!   Its [`Gate`]s hold one chosen statement, or its answer, until the test releases it: to
 //!   run two statements in the order a race needs, without guessing at timings.
@@ -69,6 +71,7 @@ use tokio_postgres::{Client, Config, NoTls};
 
 mod cluster;
 mod gate;
+mod patroni;
 mod pgbouncer;
 mod proxy;
 mod replica;
@@ -76,6 +79,7 @@ mod server;
 
 pub use cluster::TestCluster;
 pub use gate::{Gate, GateMatch, Held, Hold};
+pub use patroni::PatroniCluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use proxy::Proxy;
 pub use replica::{ReplicatedCluster, Replication};

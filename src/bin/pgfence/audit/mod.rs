@@ -106,6 +106,12 @@ pub(crate) struct AuditArgs {
     )]
     faults: Vec<FaultKind>,
 
+    /// A shell command (`sh -c CMD`) run at each `cmd` fault: a fault outside the holders, such
+    /// as a failover tool's switchover or a database server's kill. It adds `cmd` to the
+    /// faults. The next fault waits until it has exited.
+    #[arg(long, value_name = "CMD")]
+    fault_cmd: Option<String>,
+
     /// Show the holders' stderr, each line prefixed with its process id.
     #[arg(long)]
     verbose: bool,
@@ -133,6 +139,8 @@ pub(crate) enum FaultKind {
     Backend,
     /// Every connection of the holder cut by the in-process proxy.
     Cut,
+    /// The `--fault-cmd` command, run while the holder writes.
+    Cmd,
 }
 
 impl FaultKind {
@@ -143,6 +151,7 @@ impl FaultKind {
             FaultKind::Term => "term",
             FaultKind::Backend => "backend",
             FaultKind::Cut => "cut",
+            FaultKind::Cmd => "cmd",
         }
     }
 }
@@ -208,6 +217,9 @@ pub(crate) async fn audit(
     env: ChildEnv,
     json: bool,
 ) -> Result<(), Exit> {
+    if args.fault_cmd.is_none() && args.faults.contains(&FaultKind::Cmd) {
+        return Err(Exit::usage("the fault `cmd` needs --fault-cmd CMD"));
+    }
     let seed = args.seed.unwrap_or_else(|| {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         now.map_or(0, |d| d.as_nanos() as u64) % 1_000_000_000
@@ -454,6 +466,9 @@ async fn run(
     let mut rng = Rng(seed);
     let mut notes = Vec::new();
     let mut kinds: Vec<FaultKind> = args.faults.clone();
+    if args.fault_cmd.is_some() {
+        kinds.push(FaultKind::Cmd);
+    }
     kinds.sort();
     kinds.dedup();
     let upstream = Upstream::of(&target.config);
@@ -508,6 +523,9 @@ async fn run(
     let mut rounds = 0u32;
     let mut next_fault = start + ttl / 2;
     let mut stopped: Option<(u32, Instant)> = None;
+    // The `--fault-cmd` command still running, and its number.
+    let mut command: Option<(Child, u64)> = None;
+    let mut commands = 0u64;
     let mut early_failures = 0u32;
     let mut ticks = tokio::time::interval(Duration::from_millis(20));
     loop {
@@ -554,12 +572,20 @@ async fn run(
                 procs.insert(holder.pid, holder);
             }
         }
+        if let Some((child, n)) = &mut command {
+            if let Ok(Some(status)) = child.try_wait() {
+                if !status.success() {
+                    report.notes.push(format!("cmd: fault {n} exited with {status}"));
+                }
+                command = None;
+            }
+        }
         if now >= deadline {
             break;
         }
         // The next fault: once the last one is over (writes resumed, or stalled), the gap has
         // passed and someone holds the lease.
-        if stopped.is_some() || now < next_fault {
+        if stopped.is_some() || command.is_some() || now < next_fault {
             continue;
         }
         let last_done = match report.faults.last_mut() {
@@ -633,9 +659,40 @@ async fn run(
                     proxy.cut();
                 }
             }
+            FaultKind::Cmd => {
+                commands += 1;
+                let cmd = run.args.fault_cmd.as_deref().unwrap_or_default();
+                let child = spawn_fault_command(cmd, commands, pid, epoch)
+                    .map_err(|e| Exit::other("cannot run --fault-cmd", &e))?;
+                command = Some((child, commands));
+            }
         }
         report.faults.push(injected);
         next_fault = now + gap;
+    }
+
+    // A command still running is part of its fault: let it finish (bounded), while writes
+    // go on being acknowledged.
+    let command_ending = Instant::now() + stall;
+    while let Some((child, n)) = &mut command {
+        tokio::select! {
+            Some((pid, event)) = events.recv() => handle(&mut procs, &mut report, pid, event),
+            _ = ticks.tick() => {}
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                if !status.success() {
+                    report.notes.push(format!("cmd: fault {n} exited with {status}"));
+                }
+                command = None;
+            }
+            _ if Instant::now() >= command_ending => {
+                report.notes.push(format!("cmd: fault {n} still ran at the end; killed"));
+                let _ = child.start_kill();
+                command = None;
+            }
+            _ => {}
+        }
     }
 
     // Orderly end: every holder releases (a paused one was resumed above), then what still
@@ -678,6 +735,25 @@ async fn run(
     let reader = connect(&run.target).await?;
     check_rows(&reader, &run.target, &mut report).await?;
     Ok(report)
+}
+
+/// Starts `--fault-cmd` with `sh -c`. It learns which fault it is and whom it hits from
+/// `PGFENCE_AUDIT_FAULT` (1, 2, ...), `PGFENCE_AUDIT_HOLDER_PID` and `PGFENCE_AUDIT_EPOCH`.
+/// Its output goes to stderr, so that stdout holds the report alone. Killed if the audit ends
+/// first (`kill_on_drop`).
+fn spawn_fault_command(cmd: &str, n: u64, pid: u32, epoch: i64) -> std::io::Result<Child> {
+    use std::os::fd::AsFd;
+    let stderr = std::io::stderr().as_fd().try_clone_to_owned()?;
+    Command::new("/bin/sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("PGFENCE_AUDIT_FAULT", n.to_string())
+        .env("PGFENCE_AUDIT_HOLDER_PID", pid.to_string())
+        .env("PGFENCE_AUDIT_EPOCH", epoch.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(stderr))
+        .kill_on_drop(true)
+        .spawn()
 }
 
 /// Terminates the sessions of one holder (by its application_name), counting them. The
