@@ -89,12 +89,18 @@ pub(crate) const READ_COMMITTED: &str = "SET SESSION CHARACTERISTICS AS TRANSACT
      SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
          WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, false)";
 
-/// The renewal thread's session. See `lease::connected` for the asynchronous commit. It sets
-/// read committed as in [`READ_COMMITTED`]. It does so also on a connection taken from a pool
-/// passed to `builder_from_pool`. The renewal thread keeps that connection for good, so its
-/// session is the store's own. Not behind a transaction pooler, where no session is.
-pub(crate) const RENEWAL_SESSION: &str = "SET synchronous_commit = off; \
-     SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+/// The renewal thread's session: [`READ_COMMITTED`], with its synchronous commit. It is set
+/// also on a connection taken from a pool passed to `builder_from_pool`. The renewal thread
+/// keeps that connection for good, so its session is the store's own. Not behind a transaction
+/// pooler, where no session is.
+///
+/// Renewals commit synchronously. They once committed with `synchronous_commit = off`, to keep
+/// their latency off the writers' WAL flushes. But under Patroni's synchronous mode, an old
+/// leader cut off from its cluster (its Patroni killed) kept confirming renewals while every
+/// write there waited for a synchronous standby that was gone: the store reported `Held` beside
+/// its successor. A renewal that waits like the writes lets the local deadline pass, and the
+/// store fails closed (tests/patroni.rs, the synchronous split brain).
+pub(crate) const RENEWAL_SESSION: &str = READ_COMMITTED;
 
 /// Whether a (quoted, possibly qualified) table exists: its name, or NULL.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass($1)::text";
