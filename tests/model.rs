@@ -729,7 +729,8 @@ impl Model for Protocol {
                     unreachable!("only a broken call fences")
                 };
                 if s.generation > generation || self.bugs.unfenced_retry {
-                    // Changed since it was sent: it is fenced off already.
+                    // Changed since it was sent: it is fenced off already. (With the bug put
+                    // back, it is not fenced at all.)
                     s.calls[key as usize] = Call::Retry { value };
                 } else {
                     s.fence = Fence::Checked;
