@@ -314,7 +314,7 @@ impl Executor {
                 Ok(rows) if mutation && !rows.first().is_some_and(|row| row.get::<_, bool>(0)) => {
                     let generation = sent.expect("set when the statement was sent");
                     if !self.owner_changed_since(generation).await {
-                        return Err(self.lease.fail(LossReason::Fenced));
+                        return Err(self.refused());
                     }
                 }
                 Err(e) if e.is_retryable() && started.elapsed() + backoff < self.retry_for => {
@@ -346,6 +346,17 @@ impl Executor {
             }
             e => self.pool.error(operation, e),
         }
+    }
+
+    /// The error of a mutation the database refused, with no change of owner id of the store's
+    /// own to explain it. Once `close()` has begun, its release may be why: the store's own,
+    /// not a successor's, so `Closed` (nothing was written). A `close()` that gave up waiting
+    /// releases while operations still run. Otherwise the lease was taken: `Fenced`.
+    fn refused(&self) -> Error {
+        if self.closed.load(Ordering::SeqCst) {
+            return Error::Closed;
+        }
+        self.lease.fail(LossReason::Fenced)
     }
 
     /// Waits until no fence of the store's own is under way ([`Executor::fence_own`]).
@@ -419,7 +430,7 @@ impl Executor {
                 }
             };
             match outcome {
-                Ok(Ok(rows)) if rows.is_empty() => return Err(self.lease.fail(LossReason::Fenced)),
+                Ok(Ok(rows)) if rows.is_empty() => return Err(self.refused()),
                 Ok(Ok(_)) => {
                     self.lease.owner_changed(next);
                     tracing::info!(owner_id = %next, "pgfence changed its owner id to fence off \

@@ -245,3 +245,38 @@ async fn owner_change_is_not_starved_by_the_stores_own_writes() {
     assert_ne!(store.owner_id(), owner, "the broken write was fenced off by a new id");
     store.close().await.unwrap();
 }
+
+/// A `close()` that gave up waiting for a running write releases the lease while the write is
+/// still on its way. The write then reaches a row the store itself released, and is refused.
+/// That is the store's own release, not a successor's: the caller learns `Closed` (nothing was
+/// written), and the store is `Released`, never `Lost { Fenced }` (which would abort the
+/// process under `LeaseLossPolicy::Abort`). The model in tests/model.rs found this
+/// (`a_close_that_gives_up_waiting_reports_its_own_release_as_fenced`). Here the write is held
+/// before the server, and the release's answer is held until the write was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_refused_by_its_own_stores_release_is_closed_not_fenced() {
+    let (t, proxy, store) =
+        proxied_store("ownrelease", |b| b.drop_timeout(Duration::from_secs(1))).await;
+    let write_gate = proxy.gate(writes_to(&t), Hold::Statement);
+    let write = tokio::spawn(store.write("r", "s", "k", b"late".to_vec()));
+    within("the write held", write_gate.held()).await;
+    let release = proxy.gate(release_of(&t), Hold::Answer);
+    let closing = tokio::spawn({
+        let store = store.clone();
+        async move { store.close().await }
+    });
+    within("the release sent", release.held()).await;
+    let sql = format!("SELECT 1 FROM \"{t}_lease\" WHERE expires_at <= clock_timestamp()");
+    common::wait_for_row("the release committed", &sql, &[]).await;
+    write_gate.release(); // The write reaches the released row.
+    let write = within("the write", write).await.unwrap();
+    assert!(matches!(write, Err(Error::Closed)), "refused by the store's own release: {write:?}");
+    release.release();
+    let closed = within("close", closing).await.unwrap();
+    assert!(matches!(closed, Err(Error::Timeout { .. })), "close gave up waiting: {closed:?}");
+    let state = store.lease_state().borrow().clone();
+    assert!(matches!(state, LeaseState::Released { .. }), "{state:?}");
+    let sql = format!("SELECT value FROM \"{t}\" WHERE key = 'k'");
+    let value: Vec<u8> = admin().await.query_one(&sql, &[]).await.unwrap().get(0);
+    assert_eq!(value, b"first", "nothing of the refused write landed");
+}
