@@ -492,17 +492,17 @@ async fn synchronous_split_brain_keeps_the_fence_on_the_new_leader() {
     split_brain(Replication::Synchronous, false).await;
 }
 
-/// The same, checking what the store does on the orphan: it should fail closed at its local
-/// deadline, and no write it acknowledged should be lost. Both fail with pgfence today:
+/// The same, checking what the store does on the orphan: it fails closed at its local
+/// deadline, and no write it acknowledged is lost.
 ///
-/// - Renewals commit with `synchronous_commit = off`, so they succeed on the orphan, and the
-///   store keeps reporting `Held` while the successor holds the lease on the new leader.
+/// - Its renewals commit synchronously, so on the orphan they wait for the synchronous standby
+///   that no longer streams from it, like its writes: the local deadline passes, and the store
+///   fails closed before the successor's acquisition. (They once committed with
+///   `synchronous_commit = off`, succeeded on the orphan, and the store kept reporting `Held`.)
 /// - Patroni 3.0.2, started again on the old leader, first reloads the orphan without
-///   `synchronous_standby_names`, then demotes it. The reload releases every commit waiting
-///   for the synchronous standby: the store acknowledges those writes, and pg_rewind then
-///   takes them out of the orphan's history.
+///   `synchronous_standby_names`, then demotes it. The reload releases every commit waiting for
+///   the synchronous standby. The store failed closed before, so it acknowledges none of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: the store renews on the orphan, and writes acknowledged there are lost"]
 async fn synchronous_split_brain_fails_closed_and_loses_no_acknowledged_write() {
     split_brain(Replication::Synchronous, true).await;
 }
