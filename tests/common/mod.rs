@@ -3,7 +3,6 @@
 
 pub mod conformance;
 pub mod errors;
-pub mod ldk;
 
 use std::time::Duration;
 

@@ -4,7 +4,8 @@
 //! Each module was a test binary of its own (`tests/<name>.rs`); filter by its name
 //! (`cargo test --all-features --test suite lease::`). Separate binaries remain for what must
 //! run alone: tests/logs.rs installs a log subscriber of its own, tests/partition.rs moves
-//! threads into network namespaces, and tests/cli.rs runs the `cli`-feature binary.
+//! threads into network namespaces, and tests/cli.rs runs the `cli`-feature binary. The tests
+//! through LDK's own crates are in tests-ldk, a crate of its own for their dev-dependencies.
 //!
 //! `lease` and `hazards` install the global error-event observer of `common::errors`: it only
 //! observes the store's error events, so the other modules run as they would without it.
@@ -28,9 +29,6 @@ mod hazards;
 mod hung_server;
 mod input;
 mod interleavings;
-mod ldk;
-mod ldk_0_2;
-mod ldk_channels;
 mod lease;
 mod pgbouncer;
 mod privileges;

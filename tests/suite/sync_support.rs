@@ -1,6 +1,6 @@
 //! Running synchronous store calls in each context they must work in: a plain thread with no
 //! runtime, a worker of a multi-thread tokio runtime, and the only thread of a current-thread
-//! runtime. Shared by blocking.rs and ldk.rs.
+//! runtime. Shared by blocking.rs and by ldk.rs of tests-ldk.
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different subset.
 
 use std::future::Future;

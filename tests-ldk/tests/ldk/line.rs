@@ -1,12 +1,12 @@
 //! `LdkStore` through one `lightning` line's traits, for the conformance suite: its facades and
 //! the tests that run the suite through them, and a migration round trip through LDK's
 //! `FilesystemStore`, written once for both lines
-//! ([`ldk_line_conformance`]). tests/suite/ldk.rs (0.3) and tests/suite/ldk_0_2.rs (0.2) each
+//! ([`ldk_line_conformance`]). ldk.rs (0.3) and ldk_0_2.rs (0.2) each
 //! expand it with their line's traits in scope.
 
 /// The conformance facades and tests of `LdkStore` through one `lightning` line.
 ///
-/// Expanded in a module of tests/suite that imports its line's `KVStore`, `KVStoreSync` and
+/// Expanded in a module of tests/ldk that imports its line's `KVStore`, `KVStoreSync` and
 /// `KVStoreSyncWrapper`, and defines the two listings whose traits differ between the lines:
 /// `fn page(&LdkStore, &str, &str, Option<String>) -> BoxFut<'_, PageOut>` with its blocking
 /// twin `page_sync` (`io::Result<PageOut>`), and `fn all_keys(&LdkStore) -> BoxFut<'_, Keys>`

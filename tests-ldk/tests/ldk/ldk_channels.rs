@@ -67,7 +67,7 @@ fn cli_import(table: &str, dir: &Path) {
     use std::process::{Command, Stdio};
     use std::time::Instant;
 
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pgfence"));
+    let mut command = Command::new(crate::pgfence_cli());
     for variable in pgfence::env::VARIABLES {
         command.env_remove(variable);
     }

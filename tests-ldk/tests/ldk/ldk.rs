@@ -1,7 +1,7 @@
 //! `pgfence::ldk::LdkStore` through LDK's own traits: the conformance suite through the async
 //! traits (`KVStore`, `PaginatedKVStore`, `MigratableKVStore`) and through the sync traits
 //! (`KVStoreSync`, ...) from a plain thread, inside a multi-thread runtime and inside a
-//! current-thread runtime (tests/common/ldk.rs, shared with the 0.2 line); per-key call order of
+//! current-thread runtime (line.rs, shared with the 0.2 line); per-key call order of
 //! async writes; error kinds; and a data migration round trip with `migrate_kv_store_data`
 //! through LDK's `FilesystemStore`.
 #![cfg(feature = "ldk")]

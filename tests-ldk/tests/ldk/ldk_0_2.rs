@@ -1,6 +1,6 @@
 //! `pgfence::ldk::LdkStore` through the traits of the released `lightning` 0.2 line (feature
-//! `ldk-0_2`, the line ldk-node 0.7 uses): the same conformance suite as tests/suite/ldk.rs
-//! (tests/common/ldk.rs), through the async `KVStore` and through `KVStoreSync` from a plain
+//! `ldk-0_2`, the line ldk-node 0.7 uses): the same conformance suite as ldk.rs
+//! (line.rs), through the async `KVStore` and through `KVStoreSync` from a plain
 //! thread and inside either kind of runtime; and a migration round trip with 0.2's
 //! `migrate_kv_store_data` through 0.2's `FilesystemStore`. With both LDK features on, one store
 //! serves both lines at once.
