@@ -506,7 +506,7 @@ impl Error {
             if is_foreign_session(&source) {
                 return Error::PoolerModeUnsupported { pool_mode: "transaction" };
             }
-            match grant_for(&source, "<role>") {
+            match grant_for(&source, operation, "<role>") {
                 Some((privilege, grant)) => {
                     Error::PermissionDenied { operation, privilege, grant, source }
                 }
@@ -561,7 +561,8 @@ impl Error {
     pub(crate) fn for_role(self, role: Option<&str>) -> Error {
         match (self, role) {
             (Error::PermissionDenied { operation, source, .. }, Some(role)) => {
-                let (privilege, grant) = grant_for(&source, role).expect("a permission error");
+                let (privilege, grant) =
+                    grant_for(&source, operation, role).expect("a permission error");
                 Error::PermissionDenied { operation, privilege, grant, source }
             }
             (e, _) => e,
@@ -573,8 +574,6 @@ impl Error {
     }
 }
 
-/// For a permission error (SQLSTATE 42501): the privilege missing and the statement an
-/// administrator runs to give it to `role`, from the server's message.
 /// Whether the server refused a prepared statement of the driver's: "prepared statement
 /// \"s3\" does not exist" (26000) or "already exists" (42P05). The driver names its statements
 /// uniquely per process and prepares each once per connection. So either means another
@@ -588,39 +587,19 @@ fn is_foreign_session(e: &tokio_postgres::Error) -> bool {
     })
 }
 
-fn grant_for(e: &tokio_postgres::Error, role: &str) -> Option<(Box<str>, Box<str>)> {
+/// For a permission error (SQLSTATE 42501): the privilege missing and the statement an
+/// administrator runs to give it to `role`, from the server's message and the
+/// rights of `operation` ([`crate::privileges`]).
+fn grant_for(
+    e: &tokio_postgres::Error,
+    operation: &str,
+    role: &str,
+) -> Option<(Box<str>, Box<str>)> {
     let db = e.as_db_error()?;
     if db.code() != &tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE {
         return None;
     }
-    let message = db.message();
-    let object = |prefix: &str| message.strip_prefix(prefix);
-    let (privilege, grant) = if let Some(schema) = object("permission denied for schema ") {
-        (
-            format!("USAGE and CREATE on schema {schema}"),
-            format!("GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}"),
-        )
-    } else if let Some(table) = object("permission denied for table ") {
-        (
-            format!("SELECT, INSERT, UPDATE and DELETE on table {table}"),
-            format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"),
-        )
-    } else if let Some(database) = object("permission denied for database ") {
-        (
-            format!("CREATE on database {database}"),
-            format!("GRANT CREATE ON DATABASE {database} TO {role}"),
-        )
-    } else if message.starts_with("permission denied to create database") {
-        (
-            "CREATEDB".to_owned(),
-            format!("ALTER ROLE {role} CREATEDB, or create the database as an administrator"),
-        )
-    } else {
-        (
-            format!("a privilege the server names: {message}"),
-            "run `pgfence doctor`, which names the privileges the role lacks".to_owned(),
-        )
-    };
+    let (privilege, grant) = crate::privileges::advice(db.message(), operation, role);
     Some((privilege.into(), grant.into()))
 }
 

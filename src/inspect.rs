@@ -95,7 +95,7 @@ impl Inspector {
 
     /// Every key as `(primary_namespace, secondary_namespace, key)`, in byte order.
     pub async fn list_all_keys(&self) -> Result<Vec<(String, String, String)>> {
-        let rows = self.query("list_all_keys", &self.statements.list_all, &[]).await?;
+        let rows = self.query("list all keys", &self.statements.list_all, &[]).await?;
         Ok(rows
             .unwrap_or_default()
             .iter()

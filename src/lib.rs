@@ -12,6 +12,7 @@
 mod clock;
 mod error;
 mod keys;
+pub mod privileges;
 mod sql;
 mod stats;
 

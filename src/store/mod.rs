@@ -329,7 +329,7 @@ impl PgKvStore {
             let limit = exec.page_size as i64 + 1;
             let rows = exec
                 .query(
-                    "list_paginated",
+                    "list a page",
                     &exec.statements.list_page,
                     &[&primary_namespace, &secondary_namespace, &before, &limit],
                 )
@@ -354,7 +354,7 @@ impl PgKvStore {
         let span = exec.span("list_all_keys", "", "", "");
         let started = Instant::now();
         let result = async {
-            let rows = exec.query("list_all_keys", &exec.statements.list_all, &[]).await?;
+            let rows = exec.query("list all keys", &exec.statements.list_all, &[]).await?;
             Ok(rows.iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect())
         }
         .instrument(span)

@@ -1,43 +1,13 @@
 //! What each command needs of the role, and the `GRANT` that gives it. docs/deployments.md,
 //! section "Privileges", lists the same rights; `doctor` checks them.
 //!
-//! The library's permission error names the privilege from the server's message alone. The
-//! CLI knows the command, so it names exactly what that command needs, in its own words.
+//! The rights themselves are the library's table ([`pgfence::privileges`]), which its own
+//! permission errors name per operation. The CLI knows the command, so it names what that
+//! command needs, in its own words, with the table's schema.
 
 use std::sync::OnceLock;
 
-/// What a command does with the tables, for the rights it needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Use {
-    /// `get`, `ls`, `export`: the KV table.
-    Read,
-    /// `status`: the lease table.
-    Status,
-    /// `doctor --read-only`: what `Read` and `Status` need together.
-    Reader,
-    /// `release --force`: reads and expires the lease row.
-    Release,
-    /// `put`, `rm`, `import`, `hold`, `audit`: opens a store, creating the tables if missing.
-    Write,
-}
-
-/// The three tables of a pgfence table name, by the suffix of their name.
-pub(crate) const TABLES: [&str; 3] = ["", "_lease", "_schema_version"];
-
-impl Use {
-    /// The rights this use needs on the table with `suffix` (one of [`TABLES`]).
-    pub(crate) fn rights(self, suffix: &str) -> &'static [&'static str] {
-        match (self, suffix) {
-            (Use::Read | Use::Reader, "") => &["SELECT"],
-            (Use::Status | Use::Reader, "_lease") => &["SELECT"],
-            (Use::Release, "_lease") => &["SELECT", "UPDATE"],
-            (Use::Write, "") => &["SELECT", "INSERT", "UPDATE", "DELETE"],
-            (Use::Write, "_lease") => &["SELECT", "INSERT", "UPDATE"],
-            (Use::Write, "_schema_version") => &["SELECT"],
-            _ => &[],
-        }
-    }
-}
+pub(crate) use pgfence::privileges::{TABLES, Use};
 
 /// The command running and its table, for [`advice`]. Set once, before the command runs.
 pub(crate) static COMMAND: OnceLock<(&'static str, Use, String)> = OnceLock::new();
