@@ -711,7 +711,7 @@ fn uses(command: &Command) -> privileges::Use {
 }
 
 /// The connection options of this command, as the environment of `audit`'s holders: the URL
-/// stays out of their command lines, where `ps` would show its password.
+/// stays out of their command lines, where `ps` would show its password. The pool mode too.
 fn audit_env(cli: &Cli) -> audit::ChildEnv {
     let mut env = Vec::new();
     if let Some(url) = &cli.database_url {
@@ -727,6 +727,12 @@ fn audit_env(cli: &Cli) -> audit::ChildEnv {
             env.push((name, file.clone().into_os_string()));
         }
     }
+    // Behind a transaction pooler, a holder in session mode would fail every statement.
+    let mode = match cli.pool_mode {
+        PoolModeArg::Session => "session",
+        PoolModeArg::Transaction => "transaction",
+    };
+    env.push(("PGFENCE_POOL_MODE", OsString::from(mode)));
     env
 }
 

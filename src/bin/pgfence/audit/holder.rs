@@ -68,6 +68,7 @@ pub(crate) async fn holder(target: Target, args: HolderArgs) -> Result<(), Exit>
     let mut builder = PgKvStore::builder_from_config(target.config.clone())
         .table(&target.table)
         .pool_size(2)
+        .pool_mode(target.pool_mode)
         .lease_ttl(args.ttl)
         .connect_timeout(target.connect_timeout)
         .on_lease_lost(LeaseLossPolicy::FailClosed);
