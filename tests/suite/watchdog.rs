@@ -51,13 +51,14 @@ async fn stopped_watchdog_calls_nothing() {
     let store = builder(&t).open().await.unwrap();
     let (tx, rx) = mpsc::channel::<LeaseState>();
     let watchdog =
-        Watchdog::spawn(LeaseWatch::from(store.lease_state()), Duration::from_secs(5), move |s| {
+        Watchdog::spawn(LeaseWatch::from(store.lease_state()), Duration::from_secs(60), move |s| {
             tx.send(s).unwrap();
         })
         .unwrap();
     let started = std::time::Instant::now();
     watchdog.stop();
-    assert!(started.elapsed() < Duration::from_secs(1), "stop took {:?}", started.elapsed());
+    // Not the shutdown's bound (60 s): a margin a loaded machine cannot use up.
+    assert!(started.elapsed() < Duration::from_secs(30), "stop took {:?}", started.elapsed());
     store.close().await.unwrap();
     // The shutdown (and its sender) were dropped with the thread, never called.
     assert_eq!(rx.recv_timeout(Duration::from_secs(1)), Err(mpsc::RecvTimeoutError::Disconnected));
