@@ -104,7 +104,30 @@ impl Executor {
         sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
-        self.run(operation, sql, params, true).await.map(drop)
+        self.run(operation, sql, params, Kind::Mutation).await.map(drop)
+    }
+
+    /// Makes every deferred mutation of this store that committed before this call durable
+    /// ([`sql::FLUSH`](crate::sql::FLUSH)): a no-op update of the lease row by owner id,
+    /// committed durably. The store's own sessions commit so; elsewhere it runs pinned like a
+    /// mutation. It retries a broken connection as any statement does: every attempt that
+    /// commits is a durable commit after those mutations, so one more is harmless.
+    ///
+    /// No row means the lease is no longer ours: the store fails closed (`Fenced`), or `Closed`
+    /// after its own release. The store's own change of owner id may have committed while the
+    /// statement was in transit, to an id it did not carry. That is no loss: it goes again with
+    /// every id, as renewal does.
+    pub(crate) async fn flush(&self) -> Result<()> {
+        loop {
+            let ids = self.lease.owner_ids();
+            let rows = self.run("flush", &self.statements.flush, &[&ids], Kind::Flush).await?;
+            if !rows.is_empty() {
+                return Ok(());
+            }
+            if !self.lease.owner_ids_added_since(&ids) {
+                return Err(self.refused());
+            }
+        }
     }
 
     /// Runs a read-only statement and returns its rows.
@@ -115,7 +138,7 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
-        self.run(operation, sql, params, false).await
+        self.run(operation, sql, params, Kind::Read).await
     }
 
     /// Counts an operation of kind `op` that started at `started` and ended with `result`. A
@@ -184,14 +207,14 @@ impl Executor {
         operation: &'static str,
         sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
-        mutation: bool,
+        kind: Kind,
     ) -> Result<Vec<Row>> {
         // Armed from the first attempt that broke after it was sent until this returns. Its
         // being fenced off only means nothing of it can land *later*. It may have committed
         // already. Every return settles it: `Ok` is a committed retry. Every error
         // after such an attempt has failed the store closed already.
         let mut unresolved = None;
-        let mut result = self.attempts(operation, sql, params, mutation, &mut unresolved).await;
+        let mut result = self.attempts(operation, sql, params, kind, &mut unresolved).await;
         if let Some(unresolved) = unresolved {
             unresolved.settled();
             if matches!(result, Err(Error::Closed)) {
@@ -210,9 +233,13 @@ impl Executor {
         operation: &'static str,
         sql: &Statement,
         params: &[&(dyn ToSql + Sync)],
-        mutation: bool,
+        kind: Kind,
         unresolved: &mut Option<OutcomePending<'a>>,
     ) -> Result<Vec<Row>> {
+        let mutation = kind == Kind::Mutation;
+        // The flush, too, waits for a fence under way: it updates the lease row, and the ids
+        // it carries are then the new ones.
+        let writes_lease_row = kind != Kind::Read;
         let started = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(50);
         loop {
@@ -225,13 +252,13 @@ impl Executor {
                     // A mutation sends nothing while the store fences off a statement of its own.
                     // Its FOR KEY SHARE lock would be granted ahead of the fence's waiting FOR
                     // UPDATE, and overlapping writes could keep the fence waiting for good.
-                    if mutation {
+                    if writes_lease_row {
                         self.fence_finished().await;
                     }
                     let client =
                         self.pool.raw().get().await.map_err(|e| self.pool_error(operation, e))?;
                     let client = Checkout(Some(client));
-                    if !mutation || !self.fence_pending() {
+                    if !writes_lease_row || !self.fence_pending() {
                         break client;
                     }
                     // A fence began while this waited for a connection: the fence may need
@@ -256,7 +283,10 @@ impl Executor {
                         pending = Some(OutcomePending { lease: &self.lease });
                     }
                     all.extend_from_slice(params);
-                    let rows = if mutation && !self.pool.own_sessions() {
+                    // A mutation's and the flush's commit must be durable (a deferred mutation's
+                    // SQL sets it off after this) at read committed: pinned per transaction
+                    // where the session is not the store's own.
+                    let rows = if writes_lease_row && !self.pool.own_sessions() {
                         statement.query_read_committed(&client, &all).await
                     } else {
                         statement.query(&client, &all).await
@@ -487,6 +517,19 @@ impl Executor {
             }
         }
     }
+}
+
+/// What a statement run by [`Executor::run`] is, which decides how it is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A read: sent as it is.
+    Read,
+    /// A fenced mutation: the owner id goes in front of its parameters, it answers whether the
+    /// lease was held, and it commits pinned (see [`crate::session::Prepared::query_read_committed`]).
+    Mutation,
+    /// The flush ([`Executor::flush`]): it carries its own owner ids, and commits pinned like a
+    /// mutation.
+    Flush,
 }
 
 /// Sets a flag while it lives.

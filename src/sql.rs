@@ -243,6 +243,28 @@ UPDATE {lease}
 RETURNING epoch"#;
 pub(crate) const CHANGE_OWNER_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID];
 
+/// Makes every deferred mutation committed before it durable ([`WRITE_DEFERRED`]): a fenced
+/// no-op update of the lease row by owner id (`$1`: every owner id of this store), committed
+/// durably. No row: the lease is no longer ours, or expired.
+///
+/// Its commit waits for the WAL flush up to its own commit record, like any durable commit. That
+/// record follows the commit record of every transaction that committed before it began. So once
+/// it is flushed, they are too. Under synchronous replication it waits for the standby up to
+/// there as well. A transaction that wrote no WAL would not do: PostgreSQL commits it without
+/// waiting for any flush, whatever `synchronous_commit` says. This one writes a new version of
+/// the row, so it does.
+///
+/// It needs only the grants the store needs anyway (`SELECT, UPDATE` on the lease table), unlike
+/// `pg_logical_emit_message`, which is for superusers by default. It changes no key column, so it
+/// takes a FOR NO KEY UPDATE row lock, like [`RENEW`]: the writers' FOR KEY SHARE does not block
+/// it. It writes `expires_at` back unchanged: it neither extends nor shortens the lease.
+pub(crate) const FLUSH: &str = r#"
+UPDATE {lease}
+   SET expires_at = expires_at
+ WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
+RETURNING epoch"#;
+pub(crate) const FLUSH_TYPES: &[Type] = &[Type::UUID_ARRAY];
+
 /// Begins the transaction of a fenced mutation where the store does not own the session: behind
 /// a transaction pooler, or on a pool passed in. A session setting there is a neighbour's, or
 /// the application's: `default_transaction_isolation` may say serializable. Sent in one round
@@ -292,6 +314,38 @@ SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const WRITE_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA];
 
+/// [`WRITE`], committed without waiting for its WAL flush (`write_deferred`).
+///
+/// `deferred` sets `synchronous_commit` to `off` for this transaction only
+/// (`set_config(..., true)`): the commit then returns before its WAL reaches the disk. The
+/// setting ends with the transaction, so the session's next statement commits durably again. Where
+/// the store does not own the session, [`BEGIN_READ_COMMITTED`] set it to `on` first, and this
+/// statement sets it `off` after that, in the same transaction.
+///
+/// PostgreSQL does not run a `SELECT` CTE that nothing reads. So the final `SELECT` reads from
+/// `deferred`: its one row must be computed, and with it the `set_config`. When in the statement
+/// that happens does not matter: the commit reads the setting after the statement.
+///
+/// Fencing is unchanged: the lease CTEs are those of [`WRITE`]. So is the order of commits: the
+/// WAL is replayed in order, so after a crash the commits that survive are the first ones. A later
+/// durable commit, or [`FLUSH`], makes every earlier one durable.
+pub(crate) const WRITE_DEFERRED: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT $2, $3, $4, $5, valid.epoch FROM valid
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+), deferred AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
+
 /// The fenced remove, shaped like [`WRITE`]: the delete joins the `valid` CTE, so it removes
 /// nothing when the lease is gone. Removing a missing key is not an error.
 pub(crate) const REMOVE: &str = r#"
@@ -307,6 +361,22 @@ WITH lease AS (
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
+
+/// [`REMOVE`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is.
+pub(crate) const REMOVE_DEFERRED: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), removed AS (
+    DELETE FROM {kv} USING valid
+     WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
+), deferred AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
@@ -363,6 +433,36 @@ pub(crate) const BATCH_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
 ];
 
+/// [`BATCH`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is
+/// (`Batch::commit_deferred`, and coalesced groups of deferred mutations only).
+pub(crate) const BATCH_DEFERRED: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
+      FROM valid,
+           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
+               AS p (primary_namespace, secondary_namespace, key, value)
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+), removed AS (
+    DELETE FROM {kv} AS kv
+     USING valid,
+           unnest((SELECT $6::text[]), (SELECT $7::text[]), (SELECT $8::text[]))
+               AS r (primary_namespace, secondary_namespace, key)
+     WHERE kv.primary_namespace = r.primary_namespace
+       AND kv.secondary_namespace = r.secondary_namespace
+       AND kv.key = r.key
+), deferred AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
+
 /// [`BATCH`] without removes, for batches of puts only. That is the common case, and every
 /// group of coalesced writes without a remove.
 ///
@@ -389,6 +489,27 @@ WITH lease AS (
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const BATCH_PUT_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY];
+
+/// [`BATCH_PUT`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is.
+pub(crate) const BATCH_PUT_DEFERRED: &str = r#"
+WITH lease AS (
+    SELECT epoch, expires_at FROM {lease}
+     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
+       FOR KEY SHARE
+), valid AS (
+    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
+), written AS (
+    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
+    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
+      FROM valid,
+           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
+               AS p (primary_namespace, secondary_namespace, key, value)
+    ON CONFLICT (primary_namespace, secondary_namespace, key)
+    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+), deferred AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
 
 pub(crate) const READ: &str = r#"
 SELECT value FROM {kv}
@@ -466,10 +587,15 @@ pub(crate) struct Statements {
     pub(crate) renew: Statement,
     pub(crate) release: Statement,
     pub(crate) change_owner: Statement,
+    pub(crate) flush: Statement,
     pub(crate) write: Statement,
     pub(crate) remove: Statement,
     pub(crate) batch: Statement,
     pub(crate) batch_put: Statement,
+    pub(crate) write_deferred: Statement,
+    pub(crate) remove_deferred: Statement,
+    pub(crate) batch_deferred: Statement,
+    pub(crate) batch_put_deferred: Statement,
     pub(crate) read: Statement,
     pub(crate) list: Statement,
     pub(crate) list_page: Statement,
@@ -491,10 +617,15 @@ impl Statements {
             renew: s(RENEW, RENEW_TYPES),
             release: s(RELEASE, RELEASE_TYPES),
             change_owner: s(CHANGE_OWNER, CHANGE_OWNER_TYPES),
+            flush: s(FLUSH, FLUSH_TYPES),
             write: s(WRITE, WRITE_TYPES),
             remove: s(REMOVE, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
             batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
+            write_deferred: s(WRITE_DEFERRED, WRITE_TYPES),
+            remove_deferred: s(REMOVE_DEFERRED, REMOVE_TYPES),
+            batch_deferred: s(BATCH_DEFERRED, BATCH_TYPES),
+            batch_put_deferred: s(BATCH_PUT_DEFERRED, BATCH_PUT_TYPES),
             read: s(READ, READ_TYPES),
             list: s(LIST, LIST_TYPES),
             list_page: s(LIST_PAGE, LIST_PAGE_TYPES),
@@ -585,10 +716,16 @@ mod tests {
             &s.holder,
             &s.renew,
             &s.release,
+            &s.change_owner,
+            &s.flush,
             &s.write,
             &s.remove,
             &s.batch,
             &s.batch_put,
+            &s.write_deferred,
+            &s.remove_deferred,
+            &s.batch_deferred,
+            &s.batch_put_deferred,
             &s.read,
             &s.list,
             &s.list_page,

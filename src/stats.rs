@@ -66,6 +66,11 @@ pub(crate) const SHARED_MUTATIONS: Metric =
     metric("pgfence_shared_mutations_total", "counter", "Mutations carried by shared statements.");
 pub(crate) const RETRIES: Metric =
     metric("pgfence_retries_total", "counter", "Statements retried on a fresh connection.");
+pub(crate) const DEFERRED: Metric = metric(
+    "pgfence_deferred_total",
+    "counter",
+    "Deferred writes, removes and batch commits that ran (also counted by kind).",
+);
 pub(crate) const FAIL_CLOSED: Metric =
     metric("pgfence_fail_closed_total", "counter", "Times the store failed closed, by reason.");
 pub(crate) const LEASE_HELD: Metric =
@@ -142,7 +147,7 @@ impl Histogram {
     }
 }
 
-/// One kind of operation: writes, removes, batches, reads or lists.
+/// One kind of operation: writes, removes, batches, reads, lists or flushes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Operations {
@@ -243,10 +248,12 @@ pub(crate) enum Op {
     Batch,
     Read,
     List,
+    Flush,
 }
 
 impl Op {
-    pub(crate) const ALL: [Op; 5] = [Op::Write, Op::Remove, Op::Batch, Op::Read, Op::List];
+    pub(crate) const ALL: [Op; 6] =
+        [Op::Write, Op::Remove, Op::Batch, Op::Read, Op::List, Op::Flush];
 
     /// The `op` label of the exported metrics.
     pub(crate) fn label(self) -> &'static str {
@@ -256,6 +263,7 @@ impl Op {
             Op::Batch => "batch",
             Op::Read => "read",
             Op::List => "list",
+            Op::Flush => "flush",
         }
     }
 }
@@ -287,7 +295,8 @@ pub(crate) struct Recorder {
     renewals_failed: AtomicU64,
     last_renewal_us: AtomicU64,
     renewal: Histo,
-    ops: [OpCounters; 5],
+    ops: [OpCounters; 6],
+    deferred: AtomicU64,
     shared_statements: AtomicU64,
     shared_mutations: AtomicU64,
     retries: AtomicU64,
@@ -306,6 +315,7 @@ impl Recorder {
             last_renewal_us: AtomicU64::new(NONE),
             renewal: Histo::default(),
             ops: Default::default(),
+            deferred: AtomicU64::new(0),
             shared_statements: AtomicU64::new(0),
             shared_mutations: AtomicU64::new(0),
             retries: AtomicU64::new(0),
@@ -325,6 +335,14 @@ impl Recorder {
         counters.latency.record(took);
         #[cfg(feature = "metrics")]
         self.export.operation(op, took, failed);
+    }
+
+    /// A deferred write, remove or batch commit is about to run (it is counted by its kind too,
+    /// when it ends).
+    pub(crate) fn deferred(&self) {
+        self.deferred.fetch_add(1, Relaxed);
+        #[cfg(feature = "metrics")]
+        self.export.deferred();
     }
 
     /// A renewal the database confirmed, after a round trip of `took`.
@@ -413,6 +431,10 @@ impl Recorder {
         self.retries.load(Relaxed)
     }
 
+    pub(crate) fn deferred_count(&self) -> u64 {
+        self.deferred.load(Relaxed)
+    }
+
     pub(crate) fn fail_closed(&self) -> FailClosed {
         let n = |reason| self.fail_closed[reason_index(&reason)].load(Relaxed);
         FailClosed {
@@ -467,10 +489,10 @@ mod export {
     };
 
     use super::{
-        FAIL_CLOSED, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, OPERATION_DURATION, OPERATION_ERRORS,
-        OPERATIONS, Op, POOL_CONNECTIONS, POOL_STATES, PoolStats, REASONS, RENEWAL_DURATION,
-        RENEWAL_LAST, RENEWALS, RETRIES, SHARED_MUTATIONS, SHARED_STATEMENTS, reason_index,
-        reason_label,
+        DEFERRED, FAIL_CLOSED, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, OPERATION_DURATION,
+        OPERATION_ERRORS, OPERATIONS, Op, POOL_CONNECTIONS, POOL_STATES, PoolStats, REASONS,
+        RENEWAL_DURATION, RENEWAL_LAST, RENEWALS, RETRIES, SHARED_MUTATIONS, SHARED_STATEMENTS,
+        reason_index, reason_label,
     };
     use crate::error::LossReason;
 
@@ -491,6 +513,7 @@ mod export {
         shared_statements: Counter,
         shared_mutations: Counter,
         retries: Counter,
+        deferred: Counter,
         fail_closed: Vec<Counter>,
         held: Gauge,
         epoch: Gauge,
@@ -503,7 +526,7 @@ mod export {
         for m in [OPERATIONS, OPERATION_ERRORS, RENEWALS, SHARED_STATEMENTS, SHARED_MUTATIONS] {
             describe_counter!(m.name, m.help);
         }
-        for m in [RETRIES, FAIL_CLOSED] {
+        for m in [RETRIES, DEFERRED, FAIL_CLOSED] {
             describe_counter!(m.name, m.help);
         }
         for m in [OPERATION_DURATION, RENEWAL_DURATION] {
@@ -552,6 +575,7 @@ mod export {
                 shared_mutations: counter!(SHARED_MUTATIONS.name,
                     "table" => t.clone()),
                 retries: counter!(RETRIES.name, "table" => t.clone()),
+                deferred: counter!(DEFERRED.name, "table" => t.clone()),
                 fail_closed,
                 held: gauge!(LEASE_HELD.name, "table" => t.clone()),
                 epoch: gauge!(LEASE_EPOCH.name, "table" => t.clone()),
@@ -586,6 +610,10 @@ mod export {
 
         pub(super) fn retried(&self) {
             self.retries.increment(1);
+        }
+
+        pub(super) fn deferred(&self) {
+            self.deferred.increment(1);
         }
 
         pub(super) fn failed_closed(&self, reason: &LossReason) {

@@ -20,7 +20,7 @@
 //! what a synchronous API means. Prefer the async store there when you can.
 //!
 //! The guarantees and errors are those of [`crate::PgKvStore`]: fencing, per-key call order,
-//! durability of `Ok`, fail closed with [`Error::LeaseLost`], release on close or drop. Under
+//! durability of `Ok` (or, for the deferred calls, of the next `flush`), fail closed with [`Error::LeaseLost`], release on close or drop. Under
 //! [`crate::LeaseLossPolicy::Panic`], the panic is raised in the thread that made the call.
 //!
 //! ```no_run
@@ -164,6 +164,37 @@ impl PgKvStore {
         self.io.block_on(self.store.write(primary_namespace, secondary_namespace, key, value))
     }
 
+    /// [`PgKvStore::write`], committed without waiting for its WAL flush, as
+    /// [`crate::PgKvStore::write_deferred`] (which has the promise). `Ok` means committed, not
+    /// yet durable: [`PgKvStore::flush`] makes it so.
+    pub fn write_deferred(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<()> {
+        let store = &self.store;
+        self.io.block_on(store.write_deferred(primary_namespace, secondary_namespace, key, value))
+    }
+
+    /// [`PgKvStore::remove`], committed without waiting for its WAL flush, as
+    /// [`crate::PgKvStore::remove_deferred`].
+    pub fn remove_deferred(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> Result<()> {
+        self.io.block_on(self.store.remove_deferred(primary_namespace, secondary_namespace, key))
+    }
+
+    /// Returns once every deferred mutation of this store that returned `Ok` before this call
+    /// is durable, as [`crate::PgKvStore::flush`] (which has the details).
+    pub fn flush(&self) -> Result<()> {
+        self.io.block_on(self.store.flush())
+    }
+
     /// Removes a key; removing a missing key is `Ok`. `lazy` removes are executed eagerly.
     pub fn remove(
         &self,
@@ -186,6 +217,12 @@ impl PgKvStore {
     /// [`crate::Batch::commit`]. `Ok` means committed under this store's lease.
     pub fn commit(&self, batch: crate::Batch) -> Result<()> {
         self.io.block_on(batch.commit())
+    }
+
+    /// [`PgKvStore::commit`], without waiting for the WAL flush, as
+    /// [`crate::Batch::commit_deferred`].
+    pub fn commit_deferred(&self, batch: crate::Batch) -> Result<()> {
+        self.io.block_on(batch.commit_deferred())
     }
 
     /// Lists the keys of a namespace pair, sorted; empty for an unknown namespace.

@@ -36,7 +36,7 @@ use crate::schema::{self, LeaseInfo};
 use crate::stats::Op;
 use crate::write::batch::Batch;
 use crate::write::budget::bytes_of;
-use crate::write::{Mutation, Writes};
+use crate::write::{Durability, Mutation, Writes};
 
 /// A key-value store in PostgreSQL that only the holder of the table's lease may mutate.
 ///
@@ -53,7 +53,11 @@ use crate::write::{Mutation, Writes};
 ///   change is committed. Or it was superseded by a later call to the same key, and that one
 ///   is committed. The commit ran at read committed with at least `synchronous_commit = on`
 ///   (`remote_apply` is kept), whatever the role, the database, the session or a pooler's other
-///   client set.
+///   client set. A durable call superseded by a deferred one flushes first.
+/// - **Deferred writes, when asked for.** `write_deferred`, `remove_deferred` and
+///   [`Batch::commit_deferred`] return once committed, before the WAL flush. A server crash may
+///   lose them until the next durable commit or [`PgKvStore::flush`]. What survives a crash
+///   is always a prefix of the commits: never a later one without an earlier one.
 /// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
 ///   methods were *called*. The order their futures are polled or complete in does not matter.
 ///   A later call's value is never overwritten by an earlier one.
@@ -236,22 +240,37 @@ impl PgKvStore {
         key: &str,
         value: Vec<u8>,
     ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
-        let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
-        let prepared = check_key(primary_namespace, secondary_namespace, key)
-            .and_then(|()| writes.check_value(&value))
-            .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
-        let span = exec.span("write", primary_namespace, secondary_namespace, key);
-        async move {
-            let ticket = prepared?;
-            let mutation = Mutation::Write(value);
-            let reserved = writes.reserve(bytes_of(ticket.path(), &mutation)).await;
-            let store = Arc::clone(&exec);
-            let work = async move {
-                let _reserved = reserved;
-                writes.mutate(&store, ticket, mutation).await
-            };
-            admitted(&exec, Op::Write, work.instrument(span)).await
-        }
+        let mutation = Mutation::Write(value);
+        let key = (primary_namespace, secondary_namespace, key);
+        self.mutate("write", Op::Write, key, mutation, Durability::Durable)
+    }
+
+    /// [`PgKvStore::write`], committed without waiting for its WAL flush: for values the caller
+    /// can afford to lose in a server crash, or makes durable later with [`PgKvStore::flush`].
+    ///
+    /// Its transaction alone commits with `synchronous_commit = off`. The session's next
+    /// statement commits as before. Fencing and per-key order are those of `write`: a deferred
+    /// and a durable call of one key take effect in the order they were called.
+    ///
+    /// `Ok` means committed under this store's lease, not yet durable:
+    ///
+    /// - A server crash may lose it. Then it loses every commit after it too, of any key and
+    ///   any session: PostgreSQL replays its WAL in order, so what survives is a prefix.
+    /// - It is durable once a later durable commit of the server is: a `write`, `remove` or
+    ///   `commit` of this store, or [`PgKvStore::flush`]. Usually sooner: the server's WAL
+    ///   writer flushes it within about three times `wal_writer_delay` (200 ms by default).
+    /// - A standby under synchronous replication may not have it before that either. A
+    ///   failover to it loses it then.
+    pub fn write_deferred(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        let mutation = Mutation::Write(value);
+        let key = (primary_namespace, secondary_namespace, key);
+        self.mutate("write_deferred", Op::Write, key, mutation, Durability::Deferred)
     }
 
     /// Removes a key; removing a missing key is `Ok`. Ordered with `write` calls to the same
@@ -265,19 +284,83 @@ impl PgKvStore {
         lazy: bool,
     ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         let _ = lazy;
+        let key = (primary_namespace, secondary_namespace, key);
+        self.mutate("remove", Op::Remove, key, Mutation::Remove, Durability::Durable)
+    }
+
+    /// [`PgKvStore::remove`], committed without waiting for its WAL flush, as
+    /// [`PgKvStore::write_deferred`] is (and with the same promise).
+    pub fn remove_deferred(
+        &self,
+        primary_namespace: &str,
+        secondary_namespace: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        let key = (primary_namespace, secondary_namespace, key);
+        self.mutate("remove_deferred", Op::Remove, key, Mutation::Remove, Durability::Deferred)
+    }
+
+    /// Returns once every deferred mutation of this store that returned `Ok` before this call
+    /// is durable. That is as durable as a `write`: flushed to the server's WAL with at least
+    /// `synchronous_commit = on`, and on a synchronous standby if the deployment has one
+    /// (`remote_apply` is kept).
+    ///
+    /// It commits one durable transaction after them: a no-op update of the lease row by this
+    /// store's owner id (`FLUSH` in src/sql.rs). Its commit record follows theirs in the WAL,
+    /// and flushing it flushes them. It needs no grant beyond the store's own. It writes a
+    /// little WAL even when nothing is deferred.
+    ///
+    /// - It is an operation like a write: it fails closed once the lease is lost, with
+    ///   [`Error::Closed`] once `close()` has begun, and `close()` waits for it.
+    /// - If the lease row is no longer this store's, it returns [`Error::LeaseLost`] and the
+    ///   store fails closed. Deferred writes not yet flushed may then be lost: a successor's
+    ///   takeover commit usually flushed them, but nothing vouches for that.
+    /// - A broken connection is retried, as for any statement. An error means that durability
+    ///   was not confirmed, not that anything was lost.
+    /// - It vouches for the server it reaches. If the server crashed or failed over after a
+    ///   deferred write and before the flush, that write may be lost, and the flush cannot see
+    ///   it. See docs/design.md, section "Deferred writes and flush".
+    pub fn flush(&self) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
+        let exec = Arc::clone(&self.exec);
+        let span = exec.span("flush", "", "", "");
+        async move {
+            let store = Arc::clone(&exec);
+            let work = async move { store.flush().await };
+            admitted(&exec, Op::Flush, work.instrument(span)).await
+        }
+    }
+
+    /// The common path of `write`, `remove` and their deferred forms: checks the input and
+    /// takes the key's place in its order now, in the call. The returned future reserves the
+    /// bytes, is admitted, and runs the mutation in its key's turn.
+    fn mutate(
+        &self,
+        operation: &'static str,
+        op: Op,
+        (primary_namespace, secondary_namespace, key): (&str, &str, &str),
+        mutation: Mutation,
+        durability: Durability,
+    ) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
         let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
         let prepared = check_key(primary_namespace, secondary_namespace, key)
+            .and_then(|()| match &mutation {
+                Mutation::Write(value) => writes.check_value(value),
+                Mutation::Remove => Ok(()),
+            })
             .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
-        let span = exec.span("remove", primary_namespace, secondary_namespace, key);
+        let span = exec.span(operation, primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
-            let reserved = writes.reserve(bytes_of(ticket.path(), &Mutation::Remove)).await;
+            let reserved = writes.reserve(bytes_of(ticket.path(), &mutation)).await;
             let store = Arc::clone(&exec);
             let work = async move {
                 let _reserved = reserved;
-                writes.mutate(&store, ticket, Mutation::Remove).await
+                writes.mutate(&store, ticket, mutation, durability).await
             };
-            admitted(&exec, Op::Remove, work.instrument(span)).await
+            if durability == Durability::Deferred {
+                exec.lease.stats.deferred();
+            }
+            admitted(&exec, op, work.instrument(span)).await
         }
     }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::exec::Executor;
 use crate::lease::LeaseState;
 use crate::stats::{
-    FAIL_CLOSED, FailClosed, Histogram, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, Metric,
+    DEFERRED, FAIL_CLOSED, FailClosed, Histogram, LEASE_DEADLINE, LEASE_EPOCH, LEASE_HELD, Metric,
     OPERATION_DURATION, OPERATION_ERRORS, OPERATIONS, Op, Operations, POOL_CONNECTIONS,
     POOL_STATES, PoolStats, REASONS, RENEWAL_DURATION, RENEWAL_LAST, RENEWALS, RETRIES, Renewals,
     SHARED_MUTATIONS, SHARED_STATEMENTS, Shared, reason_label,
@@ -43,6 +43,11 @@ pub struct Stats {
     pub reads: Operations,
     /// `list`, `list_paginated` and `list_all_keys` calls.
     pub lists: Operations,
+    /// `flush` calls.
+    pub flushes: Operations,
+    /// `write_deferred`, `remove_deferred` and `Batch::commit_deferred` calls that ran, counted
+    /// when they start. Each is counted in `writes`, `removes` or `batches` too.
+    pub deferred: u64,
     /// Statements shared by concurrent mutations.
     pub shared: Shared,
     /// Statements retried on a fresh connection after a broken connection or an unavailable
@@ -71,6 +76,8 @@ impl Stats {
             batches: recorded.operations(Op::Batch),
             reads: recorded.operations(Op::Read),
             lists: recorded.operations(Op::List),
+            flushes: recorded.operations(Op::Flush),
+            deferred: recorded.deferred_count(),
             shared: recorded.shared_stats(),
             retries: recorded.retries(),
             fail_closed: recorded.fail_closed(),
@@ -115,6 +122,7 @@ impl Stats {
         out.counter(&SHARED_STATEMENTS, self.shared.statements);
         out.counter(&SHARED_MUTATIONS, self.shared.mutations);
         out.counter(&RETRIES, self.retries);
+        out.counter(&DEFERRED, self.deferred);
         out.head(&FAIL_CLOSED);
         for reason in &REASONS {
             let label = format!("reason=\"{}\"", reason_label(reason));
@@ -142,6 +150,7 @@ impl Stats {
             Op::Batch => &self.batches,
             Op::Read => &self.reads,
             Op::List => &self.lists,
+            Op::Flush => &self.flushes,
         }
     }
 }

@@ -6,10 +6,10 @@ use std::sync::{Arc, Weak};
 
 use tracing::Instrument;
 
-use super::Writes;
 use super::budget::bytes_of;
 use super::ordering::Ticket;
-use super::statement::{Mutation, apply_fenced};
+use super::statement::{Durability, Mutation, apply_fenced};
+use super::{Writes, superseded_ok};
 use crate::error::{Error, Result};
 use crate::exec::{Executor, admitted};
 use crate::keys::{MAX_BATCH_BYTES, check_key};
@@ -135,6 +135,23 @@ impl Batch {
     /// superseded by a later call committed, in one transaction, under this store's lease. It
     /// fails with [`Error::Closed`] if every handle of the store was dropped before this call.
     pub fn commit(self) -> impl Future<Output = Result<()>> + Send + 'static {
+        self.commit_as(Durability::Durable)
+    }
+
+    /// [`Batch::commit`], without waiting for the commit's WAL flush, as
+    /// [`PgKvStore::write_deferred`](crate::PgKvStore::write_deferred) does.
+    ///
+    /// Atomicity, fencing and per-key order are those of `commit`. `Ok` means committed, not
+    /// yet durable: a server crash before the next durable commit or
+    /// [`PgKvStore::flush`](crate::PgKvStore::flush) may lose it, whole. Never a part of it.
+    pub fn commit_deferred(self) -> impl Future<Output = Result<()>> + Send + 'static {
+        self.commit_as(Durability::Deferred)
+    }
+
+    fn commit_as(
+        self,
+        durability: Durability,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
         let Batch { exec, writes, ops, invalid } = self;
         // Tickets are taken here, synchronously, so the batch's place in every key's order is
         // the moment `commit` was called, whatever happens to the future afterwards.
@@ -166,8 +183,11 @@ impl Batch {
             let store = Arc::clone(&exec);
             let work = async move {
                 let _reserved = reserved;
-                apply(&store, entries).await
+                apply(&store, entries, durability).await
             };
+            if durability == Durability::Deferred {
+                exec.lease.stats.deferred();
+            }
             admitted(&exec, Op::Batch, work.instrument(span)).await
         }
     }
@@ -194,7 +214,7 @@ fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize)
 }
 
 /// Takes the key turns, then runs the one fenced statement.
-async fn apply(exec: &Executor, entries: Vec<Entry>) -> Result<()> {
+async fn apply(exec: &Executor, entries: Vec<Entry>, durability: Durability) -> Result<()> {
     // Turns are taken one key at a time in the map's sorted key order and held together until
     // the statement has finished. Single-key operations hold one turn at a time. Every batch
     // takes its turns in the same global order. So no two waiters can wait on each other in a
@@ -202,20 +222,26 @@ async fn apply(exec: &Executor, entries: Vec<Entry>) -> Result<()> {
     // keeps per-key order: nothing later of any of these keys can run in between.
     let mut turns = Vec::with_capacity(entries.len());
     let mut ops = Vec::with_capacity(entries.len());
+    let mut by_deferred = false;
     for entry in &entries {
-        let Some(turn) = entry.ticket.turn().await else {
-            continue; // A later call of this key is already applied: it must win.
-        };
-        turns.push(turn);
-        ops.push((entry.ticket.path(), &entry.op));
+        match entry.ticket.turn().await {
+            Ok(turn) => {
+                turns.push(turn);
+                ops.push((entry.ticket.path(), &entry.op));
+            }
+            // A later call of this key is already applied: it must win.
+            Err(superseded) => by_deferred |= superseded.deferred,
+        }
     }
     if turns.is_empty() {
-        // Nothing to write, but an operation of a fenced store still fails.
-        return exec.lease.check();
+        // Nothing to write, but an operation of a fenced store still fails. The batch's own
+        // commit, had it run, would have made a deferred later call durable (it commits after
+        // it): without one, a durable batch flushes.
+        return superseded_ok(exec, durability, by_deferred).await;
     }
-    apply_fenced(exec, ops).await?;
+    apply_fenced(exec, ops, durability).await?;
     for turn in turns {
-        turn.applied();
+        turn.applied(durability == Durability::Deferred);
     }
     Ok(())
 }

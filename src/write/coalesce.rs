@@ -12,6 +12,11 @@
 //! fenced statement (the same as an atomic batch's), one lease check and one commit. Below that
 //! concurrency nothing waits, and every mutation runs its own statement.
 //!
+//! Durability: a group's one statement commits durably if any of its mutations is durable, and
+//! deferred only if all of them are (`write_deferred` and the like). Durable for a deferred
+//! mutation is only slower, never weaker. Keeping the two apart instead would take two queues,
+//! or groups that skip mutations, and the queue's rule "the oldest first" with them.
+//!
 //! Fencing is unchanged: a queued mutation commits only inside a statement guarded by the
 //! lease CTE, like any other. Per-key order is unchanged too. A mutation joins the queue
 //! holding its key's turn, and keeps it until its statement has finished. So the queue never
@@ -37,7 +42,7 @@ use std::sync::Mutex;
 
 use tokio::sync::{Semaphore, oneshot};
 
-use super::statement::{Mutation, apply_alone, apply_fenced};
+use super::statement::{Durability, Mutation, apply_alone, apply_fenced};
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::exec::Executor;
 use crate::lease::Lease;
@@ -77,6 +82,7 @@ type Place = u64;
 struct Queued {
     path: KeyPath,
     mutation: Mutation,
+    durability: Durability,
     done: oneshot::Sender<Outcome>,
 }
 
@@ -146,6 +152,7 @@ impl Coalescer {
         exec: &Executor,
         path: &KeyPath,
         mutation: Mutation,
+        durability: Durability,
     ) -> Result<()> {
         // Below `write_concurrency` a statement is free: run at once, without queueing. A
         // released permit goes to a waiting caller first, so a free one means nobody waits.
@@ -154,14 +161,14 @@ impl Coalescer {
         // boxed, its several KB (pool, driver, retries) would be part of every write's future,
         // also of the many waiting in the queue: that was most of their memory.
         if let Ok(_permit) = self.statements.try_acquire() {
-            return Box::pin(apply_alone(exec, path, &mutation)).await;
+            return Box::pin(apply_alone(exec, path, &mutation, durability)).await;
         }
         // A store that has lost its lease fails at once. It does not queue behind statements
         // that may take a while (they fail too, at their own check). (Closing does not fail
         // it: this operation was admitted before, and close() waits for it.)
         exec.lease.check()?;
         let (done, mut outcome) = oneshot::channel();
-        let place = self.push(Queued { path: path.clone(), mutation, done });
+        let place = self.push(Queued { path: path.clone(), mutation, durability, done });
         let mut waiting =
             Waiting { coalescer: self, lease: &exec.lease, place, carrying_own: false };
         // While its mutation is queued, a caller competes for a statement. With one, it takes
@@ -174,7 +181,7 @@ impl Coalescer {
                 biased;
                 reported = &mut outcome => {
                     waiting.reported();
-                    return self.finish(exec, path, reported).await;
+                    return self.finish(exec, path, durability, reported).await;
                 }
                 permit = self.statements.acquire() => {
                     let _permit = permit.expect("the semaphore is never closed");
@@ -190,7 +197,7 @@ impl Coalescer {
         }
         let reported = outcome.await;
         waiting.reported();
-        self.finish(exec, path, reported).await
+        self.finish(exec, path, durability, reported).await
     }
 
     /// The caller's result from what its statement reported.
@@ -198,6 +205,7 @@ impl Coalescer {
         &self,
         exec: &Executor,
         path: &KeyPath,
+        durability: Durability,
         reported: Result<Outcome, oneshot::error::RecvError>,
     ) -> Result<()> {
         match reported {
@@ -209,7 +217,7 @@ impl Coalescer {
             Ok(Outcome::Alone(mutation)) => {
                 let _permit =
                     self.statements.acquire().await.expect("the semaphore is never closed");
-                Box::pin(apply_alone(exec, path, &mutation)).await
+                Box::pin(apply_alone(exec, path, &mutation, durability)).await
             }
             // The statement's task ended without reporting: a panic (which a lease-loss policy
             // raises) or a runtime shutting down. The statement may still be running on the
@@ -223,7 +231,8 @@ impl Coalescer {
         let mut carried = Carried { lease: &exec.lease, group };
         let group = &mut carried.group;
         if group.len() == 1 {
-            let result = apply_alone(exec, &group[0].path, &group[0].mutation).await;
+            let (path, mutation) = (&group[0].path, &group[0].mutation);
+            let result = apply_alone(exec, path, mutation, group[0].durability).await;
             let Queued { done, .. } = group.pop().expect("one mutation");
             // The caller waits for this (its task runs to the end); nothing to do if not.
             let _ = done.send(Outcome::Done(result));
@@ -234,7 +243,10 @@ impl Coalescer {
         tracing::debug!(
             target: LOG,
             mutations = group.len(), "pgfence coalesced mutations into one statement");
-        let result = apply_fenced(exec, group.iter().map(|q| (&q.path, &q.mutation))).await;
+        // One statement, so one commit for all: durable if any of them asked for that.
+        let durability = Durability::of_group(group.iter().map(|q| q.durability));
+        let ops = group.iter().map(|q| (&q.path, &q.mutation));
+        let result = apply_fenced(exec, ops, durability).await;
         if let Err(e) = &result {
             tracing::warn!(target: LOG, error = %e, mutations = group.len(),
                 "pgfence coalesced statement failed; each mutation runs again on its own");

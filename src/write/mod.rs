@@ -22,7 +22,7 @@ use crate::exec::Executor;
 use budget::{Budget, Reservation};
 use coalesce::Coalescer;
 use ordering::{KeyOrder, Ticket};
-pub(crate) use statement::Mutation;
+pub(crate) use statement::{Durability, Mutation};
 
 /// The write path's state, shared by every handle of a store: the per-key order and the queue
 /// of mutations waiting to share a statement.
@@ -84,11 +84,12 @@ impl Writes {
         exec: &Executor,
         ticket: Ticket,
         mutation: Mutation,
+        durability: Durability,
     ) -> Result<()> {
         // Boxed: a write's future and the store's task for it hold a pointer, not this state.
         // The compiler lays out a future moved into another one more than once. And 100,000
         // queued writes hold one each (see BENCHMARKS.md, "Memory of queued writes").
-        Box::pin(self.mutate_in_turn(exec, ticket, mutation)).await
+        Box::pin(self.mutate_in_turn(exec, ticket, mutation, durability)).await
     }
 
     async fn mutate_in_turn(
@@ -96,15 +97,32 @@ impl Writes {
         exec: &Executor,
         ticket: Ticket,
         mutation: Mutation,
+        durability: Durability,
     ) -> Result<()> {
-        let Some(turn) = ticket.turn().await else {
+        let turn = match ticket.turn().await {
+            Ok(turn) => turn,
             // A later call to this key is already committed: nothing to write. But a store
             // that has lost its lease still fails, as every key operation (and an all-superseded
             // batch) does: `Ok` would vouch for a key a successor may have overwritten since.
-            return exec.lease.check();
+            Err(superseded) => return superseded_ok(exec, durability, superseded.deferred).await,
         };
-        self.coalescer.apply(exec, ticket.path(), mutation).await?;
-        turn.applied();
+        self.coalescer.apply(exec, ticket.path(), mutation, durability).await?;
+        turn.applied(durability == Durability::Deferred);
         Ok(())
     }
+}
+
+/// The result of a mutation (or a batch) that has nothing left to write: every key of it was
+/// superseded by a later call. A store that has lost its lease fails. A durable one superseded
+/// by a deferred one flushes first: its `Ok` promises a durable value, and the later call's
+/// commit may not be on disk yet.
+pub(crate) async fn superseded_ok(
+    exec: &Executor,
+    durability: Durability,
+    by_deferred: bool,
+) -> Result<()> {
+    if durability == Durability::Durable && by_deferred {
+        return exec.flush().await;
+    }
+    exec.lease.check()
 }

@@ -6,7 +6,8 @@
 //!
 //! Otherwise it was superseded and returns `Ok` without touching the database. The later
 //! call's value is the one the caller asked for last. The exception is a store that lost its
-//! lease meanwhile: then it fails closed like every operation.
+//! lease meanwhile: then it fails closed like every operation. A durable mutation superseded by
+//! a deferred one makes that one durable first ([`Superseded::deferred`]).
 //!
 //! So whatever order futures are polled or complete in, the key ends in the state of the last
 //! call that succeeded. An earlier call can never overwrite a later one.
@@ -38,7 +39,23 @@ struct Slot {
     /// Tickets of this key alive now.
     tickets: usize,
     /// The highest version applied to the database, guarded by the key's async lock.
-    applied: Arc<AsyncMutex<u64>>,
+    applied: Arc<AsyncMutex<Applied>>,
+}
+
+/// The highest version of a key applied to the database.
+#[derive(Debug, Default)]
+struct Applied {
+    version: u64,
+    /// Whether it was applied by a deferred mutation, which may not be durable yet.
+    deferred: bool,
+}
+
+/// What a superseded mutation learns: a later call of its key is applied already.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Superseded {
+    /// The later call was deferred, so its commit may not be durable yet. A durable mutation
+    /// must not return `Ok` on its strength before a flush.
+    pub(crate) deferred: bool,
 }
 
 /// A mutation's place in its key's order, taken when the method is called.
@@ -46,14 +63,14 @@ struct Slot {
 pub(crate) struct Ticket {
     order: Arc<KeyOrder>,
     path: KeyPath,
-    applied: Arc<AsyncMutex<u64>>,
+    applied: Arc<AsyncMutex<Applied>>,
     version: u64,
 }
 
 /// The key lock, held while a mutation runs.
 #[derive(Debug)]
 pub(crate) struct Turn {
-    applied: OwnedMutexGuard<u64>,
+    applied: OwnedMutexGuard<Applied>,
     version: u64,
 }
 
@@ -76,11 +93,14 @@ impl KeyOrder {
 }
 
 impl Ticket {
-    /// Waits for the key's lock. `None`: a later call of this key has already been applied,
+    /// Waits for the key's lock. `Err`: a later call of this key has already been applied,
     /// so this one is superseded and must not touch the database.
-    pub(crate) async fn turn(&self) -> Option<Turn> {
+    pub(crate) async fn turn(&self) -> Result<Turn, Superseded> {
         let applied = Arc::clone(&self.applied).lock_owned().await;
-        (*applied < self.version).then_some(Turn { applied, version: self.version })
+        if applied.version >= self.version {
+            return Err(Superseded { deferred: applied.deferred });
+        }
+        Ok(Turn { applied, version: self.version })
     }
 
     pub(crate) fn path(&self) -> &KeyPath {
@@ -89,9 +109,9 @@ impl Ticket {
 }
 
 impl Turn {
-    /// Records that this version reached the database.
-    pub(crate) fn applied(mut self) {
-        *self.applied = self.version;
+    /// Records that this version reached the database, deferred or not.
+    pub(crate) fn applied(mut self, deferred: bool) {
+        *self.applied = Applied { version: self.version, deferred };
     }
 }
 
@@ -121,9 +141,10 @@ mod tests {
         let first = order.ticket(path("k"));
         let second = order.ticket(path("k"));
         let other = order.ticket(path("other"));
-        second.turn().await.expect("second runs first").applied();
-        assert!(first.turn().await.is_none(), "first was superseded by second");
-        assert!(other.turn().await.is_some(), "other keys are independent");
+        second.turn().await.expect("second runs first").applied(true);
+        let superseded = first.turn().await.expect_err("first was superseded by second");
+        assert!(superseded.deferred, "by a deferred mutation");
+        assert!(other.turn().await.is_ok(), "other keys are independent");
         drop((first, second, other));
         assert_eq!(order.len(), 0, "entries go when the last ticket goes");
     }
@@ -156,6 +177,6 @@ mod tests {
         let first = order.ticket(path("k"));
         let second = order.ticket(path("k"));
         drop(second.turn().await.expect("second runs")); // failed: not applied
-        assert!(first.turn().await.is_some(), "first still runs after second failed");
+        assert!(first.turn().await.is_ok(), "first still runs after second failed");
     }
 }

@@ -13,18 +13,44 @@ pub(crate) enum Mutation {
     Remove,
 }
 
+/// When a mutation's commit returns: after its WAL flush, or before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// After the flush, with at least `synchronous_commit = on` (`write`, `remove`, `commit`).
+    Durable,
+    /// Before it, with `synchronous_commit = off` for its transaction only (`write_deferred`,
+    /// `remove_deferred`, `commit_deferred`). A later durable commit or `flush()` makes it
+    /// durable.
+    Deferred,
+}
+
+impl Durability {
+    /// The durability of one statement that carries mutations of each of `all`: durable if any
+    /// of them is. A durable commit is never weaker for a deferred mutation, only slower.
+    pub(crate) fn of_group(mut all: impl Iterator<Item = Durability>) -> Durability {
+        match all.all(|d| d == Durability::Deferred) {
+            true => Durability::Deferred,
+            false => Durability::Durable,
+        }
+    }
+}
+
 /// Runs one mutation in its own fenced statement, while the caller holds its key's turn.
 pub(crate) async fn apply_alone(
     exec: &Executor,
     path: &KeyPath,
     mutation: &Mutation,
+    durability: Durability,
 ) -> Result<()> {
     let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
+    let s = &exec.statements;
+    let (write, remove) = match durability {
+        Durability::Durable => (&s.write, &s.remove),
+        Durability::Deferred => (&s.write_deferred, &s.remove_deferred),
+    };
     match mutation {
-        Mutation::Write(value) => {
-            exec.fenced("write", &exec.statements.write, &[pn, sn, key, value]).await
-        }
-        Mutation::Remove => exec.fenced("remove", &exec.statements.remove, &[pn, sn, key]).await,
+        Mutation::Write(value) => exec.fenced("write", write, &[pn, sn, key, value]).await,
+        Mutation::Remove => exec.fenced("remove", remove, &[pn, sn, key]).await,
     }
 }
 
@@ -33,6 +59,7 @@ pub(crate) async fn apply_alone(
 pub(crate) async fn apply_fenced<'a>(
     exec: &Executor,
     ops: impl IntoIterator<Item = (&'a KeyPath, &'a Mutation)>,
+    durability: Durability,
 ) -> Result<()> {
     let mut puts = Columns::default();
     let mut removes = Columns::default();
@@ -46,13 +73,17 @@ pub(crate) async fn apply_fenced<'a>(
             Mutation::Remove => removes.push(path),
         }
     }
-    let statements = &exec.statements;
+    let s = &exec.statements;
+    let (batch, batch_put) = match durability {
+        Durability::Durable => (&s.batch, &s.batch_put),
+        Durability::Deferred => (&s.batch_deferred, &s.batch_put_deferred),
+    };
     let puts = [&puts.primary as &(dyn ToSql + Sync), &puts.secondary, &puts.key, &values];
     if removes.key.is_empty() {
-        return exec.fenced("batch", &statements.batch_put, &puts).await;
+        return exec.fenced("batch", batch_put, &puts).await;
     }
     let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
-    exec.fenced("batch", &statements.batch, &[&puts[..], &removes[..]].concat()).await
+    exec.fenced("batch", batch, &[&puts[..], &removes[..]].concat()).await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.

@@ -21,7 +21,7 @@ async fn open_serial(table: &str) -> PgKvStore {
 
 /// A store whose only write statement is stuck: its write of the key `blocker` waits on an
 /// administrator's row lock, so every other write queues behind it until [`Stall::release`].
-struct Stall {
+pub(crate) struct Stall {
     first: tokio::task::JoinHandle<pgfence::Result<()>>,
     release: tokio::sync::oneshot::Sender<()>,
     locker: tokio::task::JoinHandle<()>,
@@ -30,7 +30,7 @@ struct Stall {
 /// Stalls `store` (opened with [`open_serial`] on `table`): writes the key `blocker`, has an
 /// administrator transaction lock its row, starts a second write of it and waits until the
 /// server shows that write waiting on the lock (asking the server, never a timing guess).
-async fn stall(store: &PgKvStore, table: &str) -> Stall {
+pub(crate) async fn stall(store: &PgKvStore, table: &str) -> Stall {
     store.write(NS, SUB, "blocker", b"0".to_vec()).await.unwrap();
     let (locked, is_locked) = tokio::sync::oneshot::channel();
     let (release, released) = tokio::sync::oneshot::channel::<()>();
@@ -53,7 +53,7 @@ impl Stall {
     /// Lets the spawned `queued` calls reach the store's queue ([`settle`]), rolls the
     /// administrator's transaction back (the stuck write then commits) and returns the queued
     /// calls' results, in order.
-    async fn release(self, queued: Vec<Call>) -> Vec<pgfence::Result<()>> {
+    pub(crate) async fn release(self, queued: Vec<Call>) -> Vec<pgfence::Result<()>> {
         settle().await;
         self.release.send(()).unwrap();
         within("administrator rollback", self.locker).await.unwrap();
@@ -67,7 +67,7 @@ impl Stall {
 }
 
 /// A spawned `write` or `remove`.
-type Call = tokio::task::JoinHandle<pgfence::Result<()>>;
+pub(crate) type Call = tokio::task::JoinHandle<pgfence::Result<()>>;
 
 /// Lets tasks that were just spawned reach the store's queue. Only a settle time for the
 /// scenario: every assertion below holds whether or not a write made it into the shared

@@ -17,7 +17,7 @@ use pgfence_testing::{Gate, GateMatch, Hold, Proxy, TestServer};
 use tokio::task::JoinHandle;
 
 /// A store on a fresh table, through a proxy of its own, with `k` = `first`.
-async fn proxied_store(
+pub(crate) async fn proxied_store(
     prefix: &str,
     configure: impl FnOnce(pgfence::Builder) -> pgfence::Builder,
 ) -> (String, Proxy, PgKvStore) {
@@ -58,7 +58,7 @@ fn release_of(table: &str) -> GateMatch {
 /// Writes `value` to `key` and holds its answer at the proxy once the write has committed.
 /// Its caller knows nothing yet. Cutting the returned gate breaks the write's connection: its
 /// outcome is unknown, and the store fences it off by changing its owner id.
-async fn write_committed_unanswered(
+pub(crate) async fn write_committed_unanswered(
     proxy: &Proxy,
     store: &PgKvStore,
     table: &str,
@@ -74,7 +74,7 @@ async fn write_committed_unanswered(
 }
 
 /// Waits until the lease row no longer holds `owner`: the store's change of its id committed.
-async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
+pub(crate) async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
     let sql = format!("SELECT 1 FROM \"{table}_lease\" WHERE owner_id <> $1");
     common::wait_for_row("the owner id change committed", &sql, &[&owner]).await
 }

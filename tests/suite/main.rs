@@ -20,6 +20,7 @@ mod batch;
 mod blocking;
 mod coalesce;
 mod conformance;
+mod deferred;
 mod durability;
 mod failover;
 mod faults;
