@@ -21,7 +21,7 @@ pub enum Use {
     Status,
     /// What [`Use::Read`] and [`Use::Status`] need together: a read-only role.
     Reader,
-    /// Renews, releases or expires the lease row.
+    /// Renews, releases or expires the lease row; a `flush` updates it too.
     Release,
     /// One fenced `write`.
     Put,
@@ -62,7 +62,7 @@ impl Use {
             "batch" => Use::Batch,
             "read" | "list" | "list a page" | "list all keys" | "read entries" => Use::Read,
             "read lease" => Use::Status,
-            "renew lease" | "release lease" | "prepare renewal" => Use::Release,
+            "renew lease" | "release lease" | "prepare renewal" | "flush" => Use::Release,
             _ => Use::Write,
         }
     }
