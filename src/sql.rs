@@ -243,7 +243,7 @@ UPDATE {lease}
 RETURNING epoch"#;
 pub(crate) const CHANGE_OWNER_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID];
 
-/// Makes every deferred mutation committed before it durable ([`WRITE_DEFERRED`]): a fenced
+/// Makes every deferred mutation committed before it durable ([`deferred`]): a fenced
 /// no-op update of the lease row by owner id (`$1`: every owner id of this store), committed
 /// durably. No row: the lease is no longer ours, or expired.
 ///
@@ -314,33 +314,35 @@ SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const WRITE_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA];
 
-/// [`WRITE`], committed without waiting for its WAL flush (`write_deferred`).
+/// A fenced mutation ([`WRITE`], [`REMOVE`], [`BATCH`], [`BATCH_PUT`]) committed without waiting
+/// for its WAL flush (`write_deferred`, `remove_deferred`, `Batch::commit_deferred`, and
+/// coalesced groups of deferred mutations only): the statement with one more CTE, [`DEFERRED`].
 ///
-/// `deferred` sets `synchronous_commit` to `off` for this transaction only
-/// (`set_config(..., true)`): the commit then returns before its WAL reaches the disk. The
-/// setting ends with the transaction, so the session's next statement commits durably again. Where
-/// the store does not own the session, [`BEGIN_READ_COMMITTED`] set it to `on` first, and this
-/// statement sets it `off` after that, in the same transaction.
+/// It sets `synchronous_commit` to `off` for this transaction only (`set_config(..., true)`):
+/// the commit then returns before its WAL reaches the disk. The setting ends with the
+/// transaction, so the session's next statement commits durably again. Where the store does not
+/// own the session, [`BEGIN_READ_COMMITTED`] set it to `on` first, and this statement sets it
+/// `off` after that, in the same transaction.
 ///
 /// PostgreSQL does not run a `SELECT` CTE that nothing reads. So the final `SELECT` reads from
 /// `deferred`: its one row must be computed, and with it the `set_config`. When in the statement
 /// that happens does not matter: the commit reads the setting after the statement.
 ///
-/// Fencing is unchanged: the lease CTEs are those of [`WRITE`]. So is the order of commits: the
+/// Fencing is unchanged: the lease CTEs are the statement's own. So is the order of commits: the
 /// WAL is replayed in order, so after a crash the commits that survive are the first ones. A later
 /// durable commit, or [`FLUSH`], makes every earlier one durable.
-pub(crate) const WRITE_DEFERRED: &str = r#"
-WITH lease AS (
-    SELECT epoch, expires_at FROM {lease}
-     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
-       FOR KEY SHARE
-), valid AS (
-    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
-), written AS (
-    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
-    SELECT $2, $3, $4, $5, valid.epoch FROM valid
-    ON CONFLICT (primary_namespace, secondary_namespace, key)
-    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
+pub(crate) fn deferred(mutation: &str) -> String {
+    let tail = mutation.rfind(FENCED_END).filter(|at| at + FENCED_END.len() == mutation.len());
+    let at = tail.expect("a fenced mutation ends in its lease check");
+    format!("{}{DEFERRED}", &mutation[..at])
+}
+
+/// How every fenced mutation ends: the last CTE closes, and the statement answers whether the
+/// lease was valid.
+const FENCED_END: &str = "\n)\nSELECT EXISTS (SELECT 1 FROM valid)";
+
+/// What [`deferred`] puts in place of [`FENCED_END`].
+const DEFERRED: &str = r#"
 ), deferred AS (
     SELECT set_config('synchronous_commit', 'off', true)
 )
@@ -361,22 +363,6 @@ WITH lease AS (
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
-
-/// [`REMOVE`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is.
-pub(crate) const REMOVE_DEFERRED: &str = r#"
-WITH lease AS (
-    SELECT epoch, expires_at FROM {lease}
-     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
-       FOR KEY SHARE
-), valid AS (
-    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
-), removed AS (
-    DELETE FROM {kv} USING valid
-     WHERE primary_namespace = $2 AND secondary_namespace = $3 AND key = $4
-), deferred AS (
-    SELECT set_config('synchronous_commit', 'off', true)
-)
-SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
@@ -433,36 +419,6 @@ pub(crate) const BATCH_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
 ];
 
-/// [`BATCH`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is
-/// (`Batch::commit_deferred`, and coalesced groups of deferred mutations only).
-pub(crate) const BATCH_DEFERRED: &str = r#"
-WITH lease AS (
-    SELECT epoch, expires_at FROM {lease}
-     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
-       FOR KEY SHARE
-), valid AS (
-    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
-), written AS (
-    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
-    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
-      FROM valid,
-           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
-               AS p (primary_namespace, secondary_namespace, key, value)
-    ON CONFLICT (primary_namespace, secondary_namespace, key)
-    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
-), removed AS (
-    DELETE FROM {kv} AS kv
-     USING valid,
-           unnest((SELECT $6::text[]), (SELECT $7::text[]), (SELECT $8::text[]))
-               AS r (primary_namespace, secondary_namespace, key)
-     WHERE kv.primary_namespace = r.primary_namespace
-       AND kv.secondary_namespace = r.secondary_namespace
-       AND kv.key = r.key
-), deferred AS (
-    SELECT set_config('synchronous_commit', 'off', true)
-)
-SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
-
 /// [`BATCH`] without removes, for batches of puts only. That is the common case, and every
 /// group of coalesced writes without a remove.
 ///
@@ -489,27 +445,6 @@ WITH lease AS (
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const BATCH_PUT_TYPES: &[Type] =
     &[Type::UUID, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY];
-
-/// [`BATCH_PUT`], committed without waiting for its WAL flush, as [`WRITE_DEFERRED`] is.
-pub(crate) const BATCH_PUT_DEFERRED: &str = r#"
-WITH lease AS (
-    SELECT epoch, expires_at FROM {lease}
-     WHERE id = 1 AND owner_id = $1 AND expires_at > clock_timestamp()
-       FOR KEY SHARE
-), valid AS (
-    SELECT epoch FROM lease WHERE expires_at > clock_timestamp()
-), written AS (
-    INSERT INTO {kv} (primary_namespace, secondary_namespace, key, value, epoch)
-    SELECT p.primary_namespace, p.secondary_namespace, p.key, p.value, valid.epoch
-      FROM valid,
-           unnest($2::text[], $3::text[], $4::text[], $5::bytea[])
-               AS p (primary_namespace, secondary_namespace, key, value)
-    ON CONFLICT (primary_namespace, secondary_namespace, key)
-    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch
-), deferred AS (
-    SELECT set_config('synchronous_commit', 'off', true)
-)
-SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
 
 pub(crate) const READ: &str = r#"
 SELECT value FROM {kv}
@@ -622,10 +557,10 @@ impl Statements {
             remove: s(REMOVE, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
             batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
-            write_deferred: s(WRITE_DEFERRED, WRITE_TYPES),
-            remove_deferred: s(REMOVE_DEFERRED, REMOVE_TYPES),
-            batch_deferred: s(BATCH_DEFERRED, BATCH_TYPES),
-            batch_put_deferred: s(BATCH_PUT_DEFERRED, BATCH_PUT_TYPES),
+            write_deferred: s(&deferred(WRITE), WRITE_TYPES),
+            remove_deferred: s(&deferred(REMOVE), REMOVE_TYPES),
+            batch_deferred: s(&deferred(BATCH), BATCH_TYPES),
+            batch_put_deferred: s(&deferred(BATCH_PUT), BATCH_PUT_TYPES),
             read: s(READ, READ_TYPES),
             list: s(LIST, LIST_TYPES),
             list_page: s(LIST_PAGE, LIST_PAGE_TYPES),

@@ -87,6 +87,20 @@ impl Drop for Auditor {
     }
 }
 
+/// A PgBouncer in `mode` in front of the test server, and the URL through it.
+fn pgbouncer(mode: PoolMode) -> (PgBouncer, String) {
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let bouncer = PgBouncer::start(addr, mode).expect("start pgbouncer");
+    let config = server().config();
+    let url = format!(
+        "postgres://{}@{}/{}",
+        config.get_user().unwrap_or("postgres"),
+        bouncer.addr(),
+        config.get_dbname().unwrap_or("postgres")
+    );
+    (bouncer, url)
+}
+
 /// Runs an audit to its end and returns its exit code, its JSON report and its stderr.
 fn audit(url: &str, args: &[&str], limit: Duration) -> (Option<i32>, Value, String) {
     let (code, stdout, stderr) = Auditor::start(url, args).finish(limit);
@@ -194,15 +208,7 @@ fn a_30_second_audit_reports_no_violation() {
 
 #[test]
 fn a_30_second_audit_through_pgbouncer_in_session_mode_reports_no_violation() {
-    let addr = server().tcp_addr().expect("the test server's TCP address");
-    let bouncer = PgBouncer::start(addr, PoolMode::Session).expect("start pgbouncer");
-    let config = server().config();
-    let url = format!(
-        "postgres://{}@{}/{}",
-        config.get_user().unwrap_or("postgres"),
-        bouncer.addr(),
-        config.get_dbname().unwrap_or("postgres")
-    );
+    let (_bouncer, url) = pgbouncer(PoolMode::Session);
     let args = ["--duration", "30s", "--seed", "17", "--ttl", "2", "--json"];
     let (code, report, stderr) = audit(&url, &args, Duration::from_secs(120));
     assert_clean(code, &report, &stderr);
@@ -212,15 +218,7 @@ fn a_30_second_audit_through_pgbouncer_in_session_mode_reports_no_violation() {
 /// each of them writes and hands the lease on as directly.
 #[test]
 fn a_30_second_audit_through_pgbouncer_in_transaction_mode_reports_no_violation() {
-    let addr = server().tcp_addr().expect("the test server's TCP address");
-    let bouncer = PgBouncer::start(addr, PoolMode::Transaction).expect("start pgbouncer");
-    let config = server().config();
-    let url = format!(
-        "postgres://{}@{}/{}",
-        config.get_user().unwrap_or("postgres"),
-        bouncer.addr(),
-        config.get_dbname().unwrap_or("postgres")
-    );
+    let (bouncer, url) = pgbouncer(PoolMode::Transaction);
     let args = ["--duration", "30s", "--seed", "18", "--ttl", "2", "--json"];
     let auditor = Auditor::start_with(&url, &["--pool-mode", "transaction"], &args);
     let (code, stdout, stderr) = auditor.finish(Duration::from_secs(120));
