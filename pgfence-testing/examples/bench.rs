@@ -345,6 +345,8 @@ fn tcp_addr(config: &tokio_postgres::Config) -> Result<SocketAddr, BoxError> {
 struct Measured {
     latencies: Vec<Duration>,
     elapsed: Duration,
+    /// Per round: writes per second and median latency, for ratios to unfenced round by round.
+    rounds: Vec<(f64, Duration)>,
     renewals: Vec<Duration>,
     /// Renewals of the probe that commits with `synchronous_commit = off`.
     renewals_async: Vec<Duration>,
@@ -472,7 +474,8 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
             }
         }
         batch.commit().await?;
-        // Steady state: statistics as autovacuum would have gathered them (see BENCHMARKS.md).
+        // Steady state: statistics as autovacuum would have gathered them (see
+        // docs/benchmarks-archive.md, "Surprises").
         admin.batch_execute(&format!("ANALYZE \"{}\"", store_table(table, key))).await?;
     }
 
@@ -542,6 +545,10 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
                 let after = counters(&admin, postmaster).await?;
                 stop.send_replace(true);
                 let m = results.entry((writers, variant)).or_default();
+                let mut sorted = latencies.clone();
+                sorted.sort();
+                let per_sec = sorted.len() as f64 / elapsed.as_secs_f64().max(1e-9);
+                m.rounds.push((per_sec, percentile(&sorted, 50.0)));
                 m.latencies.extend(latencies);
                 m.elapsed += elapsed;
                 m.wal_bytes += after.wal_lsn - before.wal_lsn;
@@ -1197,6 +1204,12 @@ impl Report<'_> {
             if let Some(cpu) = s.client_cpu_per_op {
                 fields.push(format!("\"client_cpu_us_per_op\":{:.1}", cpu.as_secs_f64() * 1e6));
             }
+            let rounds: Vec<String> = m
+                .rounds
+                .iter()
+                .map(|(per_sec, p50)| format!("[{per_sec:.1},{}]", us(*p50)))
+                .collect();
+            fields.push(format!("\"rounds_ops_per_sec_p50_us\":[{}]", rounds.join(",")));
             if let Some(w) = s.writes_per_statement {
                 fields.push(format!("\"writes_per_statement\":{w:.3}"));
             }
