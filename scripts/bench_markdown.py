@@ -4,15 +4,19 @@
 
 usage: scripts/bench_markdown.py RUN.json [RUN.json ...]
        scripts/bench_markdown.py --doc DIR > BENCHMARKS.md
+       scripts/bench_markdown.py --readme DIR
 
 The first form prints, per run, the write table and the lease renewal table. The second writes
 the whole of BENCHMARKS.md from what `scripts/bench` leaves in DIR: `meta.json` (machine,
-commands, load, run time) and one JSON per run, named in it.
+commands, load, run time) and one JSON per run, named in it. The third prints README.md's
+benchmark paragraph from the same files (scripts/bench puts it between the README's
+`bench:start` and `bench:end` comments).
 """
 
 import json
 import statistics
 import sys
+import textwrap
 
 ORDER = ["unfenced", "fenced", "fenced-wc8", "solo", "pinned", "naive", "ldk-node", "coalesced"]
 
@@ -237,7 +241,8 @@ def doc(directory):
         "in use of the variant's pool (the store's from `PgKvStore::stats`), or whether "
         "`ldk-node`'s mutex is held. *statement ms* is a statement's mean duration by Little's "
         "law (in flight ÷ statements per second). *wait ms* is the rest of the mean write "
-        "latency: the wait for a statement, and the client's own time around it."
+        "latency: the wait for a statement, and the client's own time around it. Both are "
+        "estimates: the sampler runs on the bench's own runtime, beside the writers."
     )
     w("")
     w("![writes per second against unfenced, per variant and number of writers](docs/bench.svg)")
@@ -359,9 +364,41 @@ def why(proxy, loopback):
     return "\n".join(out)
 
 
+def readme(directory):
+    """README's benchmark paragraph, from the same run as BENCHMARKS.md."""
+    meta = json.load(open(f"{directory}/meta.json"))
+    proxy = json.load(open(f"{directory}/proxy.json"))
+    loopback = json.load(open(f"{directory}/loopback.json"))
+    p, l = by_key(proxy), by_key(loopback)
+
+    def r(results, writers, variant, index):
+        a, b = results.get((writers, variant)), results.get((writers, "unfenced"))
+        return f"{median(round_ratios(a, b, index)):.2f}x" if a and b else "?"
+
+    load = f"load average {meta['load_start'].split()[0]} to {meta['load_end'].split()[0]}"
+    quick = " (a quick run: not figures to quote)" if meta.get("quick") else ""
+    text = (
+        f"Figures from the latest `scripts/bench` run{quick}: commit `{meta['commit']}`, "
+        f"{meta['date']}, {meta['cores']} shared cores, {load}. "
+        f"At a ~{ms(proxy['rtt_p50_us'])} ms round trip, one writer's median latency was "
+        f"{r(p, 1, 'fenced', 1)} an unfenced upsert's. "
+        f"With write coalescing, 16 writers got {r(p, 16, 'fenced', 0)} the unfenced "
+        f"throughput and 64 writers {r(p, 64, 'fenced', 0)}. "
+        f"On TCP loopback: {r(l, 16, 'fenced', 0)} and {r(l, 64, 'fenced', 0)}. "
+        f"With 16 writers, the seed's designs got {r(p, 16, 'naive', 0)} (a transaction that "
+        f"renews the lease) and {r(p, 16, 'ldk-node', 0)} (ldk-node's unprepared statement on "
+        "one connection). Ratios are medians of interleaved rounds. [BENCHMARKS.md][bench] has "
+        "the figures, the machine and the command."
+    )
+    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False) + "\n"
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--doc":
         sys.stdout.write(doc(sys.argv[2]))
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "--readme":
+        sys.stdout.write(readme(sys.argv[2]))
         return
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
