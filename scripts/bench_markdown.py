@@ -228,6 +228,15 @@ def doc(directory):
         f"- Load average (1, 5, 15 min) {meta['load_start']} at the start, {meta['load_end']} at "
         f"the end. The whole command took {meta['seconds'] / 60:.1f} min."
     )
+    loads = [float(meta["load_end"].split()[0])] + [
+        float(run.get(k, "0").split()[0]) for run in runs.values() for k in ("load_start", "load_end")
+    ]
+    if max(loads) > meta["cores"]:
+        w(
+            f"- **The 1-minute load reached {max(loads):.1f} on {meta['cores']} cores during the "
+            "run**: other work shared the machine. Expect the figures to move between runs; "
+            "the per-round ranges show how much."
+        )
     w("")
     w("Made by one command, `scripts/bench`, which ran:")
     w("")
@@ -350,8 +359,9 @@ def why(proxy, loopback):
         "(`src/write/coalesce.rs`), a writer's next write comes back just after its "
         "statement's permit went to a write already queued. So it waits for the next statement to end: about a statement's time ÷ "
         "`write_concurrency`. Part of the wait is the store's own client time (its task per "
-        "write, its wake-ups), which every write pays, queue or not: "
-        f"{get(p, 1, 'fenced', 'wait_us', ms)} ms at 1 writer, where nothing queues.",
+        "write, its wake-ups), which every write pays, queue or not. At 1 writer, where "
+        f"nothing queues, the estimate of it is {get(p, 1, 'fenced', 'wait_us', ms)} ms; it "
+        "grows with the machine's load.",
         f"- More statements shorten the wait but not the write: with `write_concurrency` 8 the "
         f"wait is {get(p, 16, 'fenced-wc8', 'wait_us', ms)} ms, with "
         f"{get(p, 16, 'fenced-wc8', 'writes_per_statement', f2)} writes per statement, "
