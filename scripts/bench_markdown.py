@@ -323,6 +323,23 @@ def one_writer(proxy, loopback):
     return "\n".join(out)
 
 
+def bound(results):
+    """The wait at 16 writers from counts alone, without the sampler's estimates."""
+    f, u = results.get((16, "fenced")), results.get((16, "unfenced"))
+    if not f or not u or "writes_per_statement" not in f:
+        return "- (No bound: the run lacks 16 writers of fenced and unfenced.)"
+    write_ms = 16 / f["ops_per_sec"] * 1000  # Little's law for 16 closed-loop writers.
+    statement_ms = 4 / (f["ops_per_sec"] / f["writes_per_statement"]) * 1000
+    return (
+        "- The same from counts alone, without sampling: 16 writers at "
+        f"{f['ops_per_sec']:.0f} writes/s spend {write_ms:.2f} ms per write (Little's law; "
+        f"unfenced: {16 / u['ops_per_sec'] * 1000:.2f} ms). With at most 4 statements at once, "
+        f"of {f['ops_per_sec'] / f['writes_per_statement']:.0f} a second, a statement takes at "
+        f"most {statement_ms:.2f} ms. So a write waits at least {write_ms - statement_ms:.2f} ms "
+        "outside a statement."
+    )
+
+
 def why(proxy, loopback):
     """The section on 16 writers behind a round trip, with this run's figures."""
     p, l = by_key(proxy), by_key(loopback)
@@ -362,6 +379,7 @@ def why(proxy, loopback):
         "write, its wake-ups), which every write pays, queue or not. At 1 writer, where "
         f"nothing queues, the estimate of it is {get(p, 1, 'fenced', 'wait_us', ms)} ms; it "
         "grows with the machine's load.",
+        bound(p),
         f"- More statements shorten the wait but not the write: with `write_concurrency` 8 the "
         f"wait is {get(p, 16, 'fenced-wc8', 'wait_us', ms)} ms, with "
         f"{get(p, 16, 'fenced-wc8', 'writes_per_statement', f2)} writes per statement, "
