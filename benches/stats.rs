@@ -23,7 +23,7 @@
 //! Every figure is CPU time per recording (the thread's CPU clock), so the machine's load
 //! inflates it far less than wall time. `cargo bench --bench stats`, then
 //! `cargo bench --features metrics --bench stats`.
-//! BENCHMARKS.md ("Stats") compares the results with a fenced write's latency.
+//! docs/benchmarks-archive.md ("Stats") compares the results with a fenced write's latency.
 
 #[path = "../src/stats.rs"]
 // Unused here: the snapshot side, and the imports of the unit tests module.

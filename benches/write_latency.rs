@@ -97,7 +97,7 @@ impl Fixture {
         }
         // Steady state: statistics as autovacuum would have gathered them. On a table that was
         // never analyzed, PostgreSQL 15 may serve point reads from the pagination index and
-        // filter the whole namespace (see BENCHMARKS.md, "Surprises").
+        // filter the whole namespace (see docs/benchmarks-archive.md, "Surprises").
         rt.block_on(analyze(&baseline, &table)).expect("ANALYZE the table");
         Fixture { rt, store, baseline, value, _proxy: proxy }
     }

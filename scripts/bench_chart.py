@@ -2,24 +2,31 @@
 """Chart the JSON output of the bench command
 (`cargo run --release -p pgfence-testing --example bench -- --json`).
 
-usage: scripts/bench_chart.py OUT.png RUN.json [RUN.json ...]
+usage: scripts/bench_chart.py OUT.svg RUN.json [RUN.json ...]
 
-One row per run (e.g. TCP loopback, Unix socket, delay proxy), two panels each: median write
-latency with the p99 as a thin bar on top, and throughput, per number of concurrent writers,
-for every variant in the run (unfenced, fenced, solo, naive; older runs: coalesced). Needs
-matplotlib.
+One panel per run (e.g. a delay proxy, TCP loopback): writes per second on a log scale, per
+number of concurrent writers, one bar per variant, each labelled with its median per-round
+ratio to unfenced. Plain SVG, no dependencies.
 """
 
 import json
+import math
+import statistics
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ORDER = ["unfenced", "fenced", "solo", "naive", "coalesced"]
-COLORS = {"unfenced": "#4c72b0", "fenced": "#55a868", "solo": "#dd8452", "naive": "#c44e52", "coalesced": "#8172b2"}
+ORDER = ["unfenced", "fenced", "fenced-wc8", "solo", "pinned", "naive", "ldk-node", "coalesced"]
+COLORS = {
+    "unfenced": "#4c72b0",
+    "fenced": "#55a868",
+    "fenced-wc8": "#8fd19e",
+    "solo": "#dd8452",
+    "pinned": "#937860",
+    "naive": "#c44e52",
+    "ldk-node": "#8172b2",
+    "coalesced": "#8172b2",
+}
+PANEL_W, PANEL_H = 470, 350
+PLOT = (60, 50, 390, 220)  # x, y, width, height of a panel's plot area
 
 
 def title(run):
@@ -31,55 +38,99 @@ def title(run):
     elif transport.startswith("tcp"):
         transport = "TCP loopback"
     if "rtt_p50_us" in run:
-        transport += f" (SELECT 1 round trip p50 {run['rtt_p50_us'] / 1000:.2f} ms)"
-    version = run["server_version"].split(" (")[0].split(" on ")[0]
-    return f"{transport} — {version}, {run['cpus']} CPUs, {run['value_size']} B values"
+        transport += f", round trip {run['rtt_p50_us'] / 1000:.2f} ms"
+    return transport
+
+
+def ratio(r, base):
+    a = r.get("rounds_ops_per_sec_p50_us", [])
+    b = base.get("rounds_ops_per_sec_p50_us", [])
+    rounds = [x[0] / y[0] for x, y in zip(a, b) if y[0]]
+    if rounds:
+        return statistics.median(rounds)
+    return r["ops_per_sec"] / base["ops_per_sec"]
+
+
+def esc(s):
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def panel(run, ox):
+    px, py, pw, ph = PLOT
+    px += ox
+    results = run["results"]
+    writers = sorted({r["writers"] for r in results})
+    variants = [v for v in ORDER if any(r["variant"] == v for r in results)]
+    variants += sorted({r["variant"] for r in results} - set(variants))
+    top = max(r["ops_per_sec"] for r in results)
+    lo, hi = 1, math.ceil(math.log10(max(top, 10)) + 0.15)
+    y = lambda v: py + ph - (math.log10(max(v, 10**lo)) - lo) / (hi - lo) * ph
+    out = [f'<text x="{px}" y="{py - 28}" font-size="13" font-weight="bold">{esc(title(run))}</text>']
+    for e in range(lo, hi + 1):
+        yy = y(10**e)
+        out.append(f'<line x1="{px}" x2="{px + pw}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{px - 6}" y="{yy + 4:.1f}" font-size="10" text-anchor="end">{10**e:,}</text>')
+    group = pw / len(writers)
+    bar = group * 0.8 / len(variants)
+    for gi, w in enumerate(writers):
+        by_v = {r["variant"]: r for r in results if r["writers"] == w}
+        base = by_v.get("unfenced")
+        for vi, v in enumerate(variants):
+            r = by_v.get(v)
+            if not r:
+                continue
+            x = px + gi * group + group * 0.1 + vi * bar
+            yy = y(r["ops_per_sec"])
+            out.append(
+                f'<rect x="{x:.1f}" y="{yy:.1f}" width="{bar - 1:.1f}" height="{py + ph - yy:.1f}" '
+                f'fill="{COLORS.get(v, "gray")}"><title>{esc(v)}, {w} writers: '
+                f'{r["ops_per_sec"]:.0f} writes/s</title></rect>'
+            )
+            if base and v != "unfenced":
+                cx, cy = x + bar / 2, yy - 3
+                out.append(
+                    f'<text x="{cx:.1f}" y="{cy:.1f}" font-size="8" text-anchor="start" '
+                    f'transform="rotate(-90 {cx:.1f} {cy:.1f})">{ratio(r, base):.2f}x</text>'
+                )
+        out.append(
+            f'<text x="{px + gi * group + group / 2:.1f}" y="{py + ph + 15}" font-size="11" '
+            f'text-anchor="middle">{w}</text>'
+        )
+    out.append(
+        f'<text x="{px + pw / 2}" y="{py + ph + 32}" font-size="11" text-anchor="middle">'
+        "concurrent writers</text>"
+    )
+    out.append(
+        f'<text x="{px - 45}" y="{py + ph / 2}" font-size="11" text-anchor="middle" '
+        f'transform="rotate(-90 {px - 45} {py + ph / 2})">writes per second</text>'
+    )
+    out.append(f'<rect x="{px}" y="{py}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+    for vi, v in enumerate(variants):
+        lx = px + (vi % 4) * 100
+        ly = py + ph + 48 + (vi // 4) * 14
+        out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{COLORS.get(v, "gray")}"/>')
+        out.append(f'<text x="{lx + 14}" y="{ly}" font-size="11">{esc(v)}</text>')
+    return out
 
 
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    out, paths = sys.argv[1], sys.argv[2:]
+    out_path, paths = sys.argv[1], sys.argv[2:]
     runs = [json.load(open(p)) for p in paths]
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
-    for row, run in zip(axes, runs):
-        results = run["results"]
-        writers = sorted({r["writers"] for r in results})
-        variants = [v for v in ORDER if any(r["variant"] == v for r in results)]
-        width = 0.8 / len(variants)
-        lat_ax, tput_ax = row
-        for i, variant in enumerate(variants):
-            by_w = {r["writers"]: r for r in results if r["variant"] == variant}
-            xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(writers))]
-            p50 = [by_w[w]["p50_us"] / 1000 if w in by_w else 0 for w in writers]
-            p99 = [by_w[w]["p99_us"] / 1000 if w in by_w else 0 for w in writers]
-            tput = [by_w[w]["ops_per_sec"] if w in by_w else 0 for w in writers]
-            color = COLORS.get(variant, "gray")
-            lat_ax.bar(xs, p50, width, color=color, label=variant)
-            lat_ax.vlines(xs, p50, p99, color=color, linewidth=1.5)
-            lat_ax.scatter(xs, p99, color=color, marker="_", s=60)
-            bars = tput_ax.bar(xs, tput, width, color=color, label=variant)
-            for bar, w in zip(bars, writers):
-                r = by_w.get(w)
-                if r and "vs_unfenced" in r:
-                    tput_ax.annotate(
-                        f"{r['vs_unfenced']['ops_per_sec']:.2f}x",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7,
-                    )
-        for ax in row:
-            ax.set_xticks(range(len(writers)))
-            ax.set_xticklabels([str(w) for w in writers])
-            ax.set_xlabel("concurrent writers")
-            ax.grid(axis="y", alpha=0.3)
-        lat_ax.set_yscale("log")
-        lat_ax.set_ylabel("write latency, ms (bar p50, tick p99)")
-        tput_ax.set_ylabel("writes per second (x: vs unfenced)")
-        lat_ax.set_title(title(run), fontsize=9, loc="left")
-        lat_ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle("pgfence: store write (fenced, coalescing) vs unfenced upsert vs one fenced statement per write (solo) vs naive transaction", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    width = PANEL_W * len(runs)
+    body = []
+    for i, run in enumerate(runs):
+        body += panel(run, i * PANEL_W)
+    svg = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{PANEL_H}" '
+        f'viewBox="0 0 {width} {PANEL_H}" font-family="sans-serif">',
+        f'<rect width="{width}" height="{PANEL_H}" fill="white"/>',
+        *body,
+        "</svg>",
+    ]
+    with open(out_path, "w") as f:
+        f.write("\n".join(svg) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The MultiXact experiment of BENCHMARKS.md, in raw SQL with pgbench (no Rust client in the
-# way): the unfenced upsert, the fenced statement (one lease row, FOR KEY SHARE), and the same
-# fence spread over 16 lease rows (client i share-locks row i % 16; a takeover would have to
-# change the owner of all 16 rows, each a key column, so it still waits for every writer).
+# The MultiXact experiment of docs/benchmarks-archive.md, in raw SQL with pgbench (no Rust
+# client in the way): the unfenced upsert, the fenced statement (one lease row, FOR KEY SHARE),
+# and the same fence spread over 16 lease rows (client i share-locks row i % 16; a takeover
+# would have to change the owner of all 16 rows, each a key column, so it still waits for every
+# writer).
 #
 # usage: scripts/multixact_pgbench.sh        (libpq environment: PGHOST, PGPORT, PGUSER, ...)
 #   CLIENTS=16 SECONDS_EACH=5 ROUNDS=5 VARIANTS="unfenced nolock fenced fenced16" \

@@ -2,7 +2,7 @@
 //! that [`crate::PgKvStore::stats`] returns.
 //!
 //! Recording costs two clock reads, a few relaxed atomic additions and no allocation: about
-//! 0.12 µs of CPU per operation (BENCHMARKS.md, "Stats"). So it is always on. The
+//! 0.12 µs of CPU per operation (docs/benchmarks-archive.md, "Stats"). So it is always on. The
 //! counters are only statistics: nothing reads them to decide anything, which is why relaxed
 //! ordering is enough. With the `metrics` feature, every recording also goes to the `metrics`
 //! facade (see [`export`] and docs/metrics.md).

@@ -1,12 +1,12 @@
-//! Side-by-side write benchmark: the fenced write against an unfenced upsert (and the naive
-//! two-statement design) in one run, at several numbers of concurrent writers.
+//! Side-by-side write benchmark: the fenced write against an unfenced upsert (and the designs
+//! the store replaced) in one run, at several numbers of concurrent writers.
 //!
 //! ```text
 //! cargo run --release -p pgfence-testing --example bench -- [--concurrency 1,4,16]
 //!     [--value-size 1024] [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
-//!     [--database-url URL] [--variants unfenced,fenced,solo,pinned,naive]
+//!     [--database-url URL] [--variants unfenced,fenced,fenced-wc4,solo,pinned,naive,ldk-node]
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
-//!     [--pool-mode session|transaction]
+//!     [--pool-mode session|transaction] [--trace-inflight] [--trace-ms 100]
 //! ```
 //!
 //! Without `--database-url` (or `DATABASE_URL`) it starts a private temporary PostgreSQL cluster
@@ -24,12 +24,17 @@
 //!   `--pool-mode transaction` the store sends it unnamed, parsed and planned on every write
 //!   (`Builder::pool_mode`): on a direct connection, the cost of running behind a transaction
 //!   pooler, without the pooler.
+//! - `fenced-wcN`: the same on a second store with `write_concurrency` N, on a table of its own
+//!   (a lease is per table): an old default against the new one in the same run.
 //! - `solo`: the store's fenced single-key statement, one per write, never shared: what
 //!   `PgKvStore::write` did before write coalescing (raw SQL with the store's owner id).
 //! - `pinned`: `solo` with a CTE that sets `synchronous_commit` for its transaction: what a
 //!   pin in every statement would cost, against the store's pin per session.
-//! - `naive`: `BEGIN`, renew the lease with an `UPDATE`, upsert, `COMMIT`: the design the
-//!   fenced statement replaced.
+//! - `naive`: `BEGIN`, renew the lease with an `UPDATE`, upsert, `COMMIT`, one pooled connection
+//!   per writer: the seed's first design, which the fenced statement replaced.
+//! - `ldk-node`: ldk-node's pattern: the fenced statement of `solo` sent as a SQL string
+//!   (prepared again on every write: two round trips), every write on one connection behind a
+//!   mutex.
 //!
 //! Each concurrency level runs every variant for `--duration-secs`, split into `--rounds`
 //! interleaved slices (unfenced, fenced, naive, unfenced, ...) so that drift in the machine's
@@ -37,6 +42,15 @@
 //! bytes and MultiXacts per write, and the latency of a lease renewal (the store's `RENEW`
 //! statement on a connection of its own, every `--renew-probe-ms`) timed while the writers run.
 //! `--sample-waits` also samples `pg_stat_activity` wait events of the writers' backends.
+//!
+//! `--trace-inflight` samples, every millisecond of each timed slice, the statements in flight:
+//! the connections in use of the variant's pool (the store's from `PgKvStore::stats`), or
+//! whether `ldk-node`'s mutex is held. Every `--trace-ms` (100) it prints to stderr the writes
+//! per second, the statements per second and writes per statement (a store's, from its
+//! `Stats`: shared statements and their mutations), the mean and largest number in flight,
+//! the mean write latency, a statement's mean duration (Little's law: in flight ÷ statements
+//! per second) and the rest of the latency, the wait for a statement. The per-slice means go
+//! into the tables and the JSON.
 //!
 //! With `--json`, prints one JSON object on stdout (the tables go to stderr); see
 //! `scripts/bench_chart.py` for the chart made from it.
@@ -47,18 +61,20 @@ mod support;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgfence::PgKvStore;
 use pgfence_testing::{Proxy, TestCluster, unique_name};
-use support::{Baseline, BoxError, NS, SUB, json_str, percentile};
+use support::{Baseline, BoxError, NS, OneConnection, SUB, json_str, percentile};
 use tokio::sync::watch;
 use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--duration-secs 5] \
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
-[--variants unfenced,fenced,solo,pinned,naive] [--renew-probe-ms 50] [--sample-waits] \
-[--keys-per-writer 64] [--write-concurrency N] [--pool-mode session|transaction]";
+[--variants unfenced,fenced,fenced-wcN,solo,pinned,naive,ldk-node] [--renew-probe-ms 50] \
+[--sample-waits] [--keys-per-writer 64] [--write-concurrency N] \
+[--pool-mode session|transaction] [--trace-inflight] [--trace-ms 100]";
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -78,39 +94,98 @@ struct Args {
     write_concurrency: Option<usize>,
     /// `--pool-mode`: the store's `Builder::pool_mode`.
     pool_mode: pgfence::PoolMode,
+    /// `--trace-inflight`: print the statements in flight every this long (`--trace-ms`).
+    trace: Option<Duration>,
 }
 
+/// What the writers of a variant call (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Variant {
     Unfenced,
-    Fenced,
+    /// A call of the store's API on the store with this `write_concurrency` (`None`: the one
+    /// `--write-concurrency` sets, else the library's default). Each value opens a store of its
+    /// own ([`StoreKey`]).
+    Store(StoreApi, StoreKey),
     Solo,
     Pinned,
     Naive,
+    LdkNode,
+}
+
+/// Which store a [`Variant::Store`] writes through: its `write_concurrency`, `None` for the main
+/// store (the one the baselines take their owner id from).
+type StoreKey = Option<usize>;
+
+/// The store call a [`Variant::Store`] times. Its name is the variant's (`fenced`), and
+/// `<name>-wcN` runs it on a store with `write_concurrency` N.
+///
+/// Deferred writes plug in here: a `Deferred` (`PgKvStore::write_deferred`) and a `Flush`
+/// (`write_deferred`, then `PgKvStore::flush`) member, their names in [`StoreApi::ALL`] and
+/// [`StoreApi::name`], and their calls in [`Workload::write`]. Stores, tables, tracing and the
+/// reports follow from [`Variant::Store`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum StoreApi {
+    /// `PgKvStore::write`, awaited.
+    Write,
+}
+
+impl StoreApi {
+    const ALL: [StoreApi; 1] = [StoreApi::Write];
+
+    fn name(self) -> &'static str {
+        match self {
+            StoreApi::Write => "fenced",
+        }
+    }
 }
 
 impl Variant {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Variant::Unfenced => "unfenced",
-            Variant::Fenced => "fenced",
-            Variant::Solo => "solo",
-            Variant::Pinned => "pinned",
-            Variant::Naive => "naive",
+            Variant::Unfenced => "unfenced".into(),
+            Variant::Store(api, None) => api.name().into(),
+            Variant::Store(api, Some(n)) => format!("{}-wc{n}", api.name()),
+            Variant::Solo => "solo".into(),
+            Variant::Pinned => "pinned".into(),
+            Variant::Naive => "naive".into(),
+            Variant::LdkNode => "ldk-node".into(),
         }
     }
 
     fn parse(s: &str) -> Result<Variant, String> {
         match s {
-            "unfenced" => Ok(Variant::Unfenced),
-            "fenced" => Ok(Variant::Fenced),
-            "solo" => Ok(Variant::Solo),
-            "pinned" => Ok(Variant::Pinned),
-            "naive" => Ok(Variant::Naive),
-            other => Err(format!("unknown variant {other:?}")),
+            "unfenced" => return Ok(Variant::Unfenced),
+            "solo" => return Ok(Variant::Solo),
+            "pinned" => return Ok(Variant::Pinned),
+            "naive" => return Ok(Variant::Naive),
+            "ldk-node" => return Ok(Variant::LdkNode),
+            _ => {}
+        }
+        let (api, statements) = match s.split_once("-wc") {
+            Some((api, n)) => {
+                let n: usize =
+                    n.parse().map_err(|_| format!("variant {s:?}: -wc needs a number"))?;
+                (api, Some(n.max(1)))
+            }
+            None => (s, None),
+        };
+        match StoreApi::ALL.into_iter().find(|a| a.name() == api) {
+            Some(api) => Ok(Variant::Store(api, statements)),
+            None => Err(format!("unknown variant {s:?}")),
+        }
+    }
+
+    /// The store the variant writes through, if it does.
+    fn store(self) -> Option<StoreKey> {
+        match self {
+            Variant::Store(_, key) => Some(key),
+            _ => None,
         }
     }
 }
+
+/// The variant of the store's `write` on the main store.
+const FENCED: Variant = Variant::Store(StoreApi::Write, None);
 
 fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
@@ -122,13 +197,15 @@ fn parse_args() -> Result<Option<Args>, String> {
         unix: false,
         json: false,
         database_url: None,
-        variants: vec![Variant::Unfenced, Variant::Fenced, Variant::Naive],
+        variants: vec![Variant::Unfenced, FENCED, Variant::Naive],
         renew_probe: Some(Duration::from_millis(50)),
         sample_waits: false,
         keys_per_writer: 64,
         write_concurrency: None,
         pool_mode: pgfence::PoolMode::Session,
+        trace: None,
     };
+    let mut trace_every = Duration::from_millis(100);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -180,6 +257,11 @@ fn parse_args() -> Result<Option<Args>, String> {
                     "transaction" => pgfence::PoolMode::Transaction,
                     other => return Err(format!("--pool-mode: {other:?}")),
                 }
+            }
+            "--trace-inflight" => args.trace = Some(trace_every),
+            "--trace-ms" => {
+                trace_every = Duration::from_millis(number(&flag, value(&flag)?)?.max(1));
+                args.trace = args.trace.map(|_| trace_every);
             }
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -263,6 +345,8 @@ fn tcp_addr(config: &tokio_postgres::Config) -> Result<SocketAddr, BoxError> {
 struct Measured {
     latencies: Vec<Duration>,
     elapsed: Duration,
+    /// Per round: writes per second and median latency, for ratios to unfenced round by round.
+    rounds: Vec<(f64, Duration)>,
     renewals: Vec<Duration>,
     /// Renewals of the probe that commits with `synchronous_commit = off`.
     renewals_async: Vec<Duration>,
@@ -272,6 +356,12 @@ struct Measured {
     multixacts: i64,
     server_cpu: Option<Duration>,
     client_cpu: Option<Duration>,
+    /// A store's statements, counted from its `Stats` around each slice; `None` for the
+    /// baselines, which run one statement (or transaction) per write.
+    statements: Option<u64>,
+    /// With `--trace-inflight`: the statements in flight, summed over the samples, and the
+    /// number of samples.
+    in_flight: Option<(f64, u64)>,
 }
 
 /// Server-side counters read before and after each slice.
@@ -295,6 +385,14 @@ fn run(args: Args) -> Result<(), BoxError> {
     result
 }
 
+/// The table of the store `key`: the main one's, or one of its own per `write_concurrency`.
+fn store_table(table: &str, key: StoreKey) -> String {
+    match key {
+        None => table.to_owned(),
+        Some(n) => format!("{table}_wc{n}"),
+    }
+}
+
 async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
     let table = unique_name("bench");
     let measured = measure(args, target, &table).await;
@@ -302,11 +400,18 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
     let dropped = async {
         let (admin, connection) = target.config.connect(tokio_postgres::NoTls).await?;
         let connection = tokio::spawn(connection);
-        admin
-            .batch_execute(&format!(
-                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
-            ))
-            .await?;
+        let mut keys: Vec<StoreKey> = args.variants.iter().filter_map(|v| v.store()).collect();
+        keys.push(None);
+        keys.sort();
+        keys.dedup();
+        for key in keys {
+            let t = store_table(&table, key);
+            admin
+                .batch_execute(&format!(
+                    "DROP TABLE IF EXISTS \"{t}\", \"{t}_lease\", \"{t}_schema_version\""
+                ))
+                .await?;
+        }
         drop(admin);
         let _ = connection.await;
         Ok::<_, BoxError>(())
@@ -316,18 +421,33 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
 }
 
 async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxError> {
+    let load_start = load_average();
     let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let ttl = Duration::from_secs(30); // The store's defaults: 30 s TTL, renewal every 10 s.
-    let mut builder = PgKvStore::builder_from_config(target.config.clone())
-        .table(table)
-        .pool_size(max_writers)
-        .pool_mode(args.pool_mode);
-    if let Some(statements) = args.write_concurrency {
-        builder = builder.write_concurrency(statements);
+    // The main store, and one more per `-wcN` of the variants, each on its table.
+    let mut keys: Vec<StoreKey> = args.variants.iter().filter_map(|v| v.store()).collect();
+    keys.push(None);
+    keys.sort();
+    keys.dedup();
+    let mut stores = BTreeMap::new();
+    for key in keys {
+        let mut builder = PgKvStore::builder_from_config(target.config.clone())
+            .table(store_table(table, key))
+            .pool_size(max_writers)
+            .pool_mode(args.pool_mode);
+        if let Some(statements) = key.or(args.write_concurrency) {
+            builder = builder.write_concurrency(statements);
+        }
+        stores.insert(key, builder.open().await?);
     }
-    let store = builder.open().await?;
+    let store = stores[&None].clone();
     let baseline =
         Baseline::new(&store, table, support::pool(target.config.clone(), max_writers), ttl);
+    let one_connection = if args.variants.contains(&Variant::LdkNode) {
+        Some(OneConnection::connect(&target.config, &store, table).await?)
+    } else {
+        None
+    };
     // The renewal probe gets a pool (one connection) of its own, like the store's renewal task.
     let probe = Baseline::new(&store, table, support::pool(target.config.clone(), 1), ttl);
     // A second probe commits its renewals without waiting for the WAL flush, set as a startup
@@ -344,17 +464,20 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
     let backend: i32 = admin.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
     let postmaster = proc_stat(backend as u32).map(|(ppid, _, _)| ppid);
 
-    // Every key any writer will update exists before timing starts.
+    // Every key any writer will update exists before timing starts, in every store's table.
     let value = support::value(args.value_size, 7);
-    let mut batch = store.batch();
-    for w in 0..max_writers {
-        for k in 0..args.keys_per_writer {
-            batch = batch.put(NS, SUB, &key(w, k), value.clone());
+    for (&key, store) in &stores {
+        let mut batch = store.batch();
+        for w in 0..max_writers {
+            for k in 0..args.keys_per_writer {
+                batch = batch.put(NS, SUB, &self::key(w, k), value.clone());
+            }
         }
+        batch.commit().await?;
+        // Steady state: statistics as autovacuum would have gathered them (see
+        // docs/benchmarks-archive.md, "Surprises").
+        admin.batch_execute(&format!("ANALYZE \"{}\"", store_table(table, key))).await?;
     }
-    batch.commit().await?;
-    // Steady state: statistics as autovacuum would have gathered them (see BENCHMARKS.md).
-    admin.batch_execute(&format!("ANALYZE \"{table}\"")).await?;
 
     // The round trip as the writers see it: a prepared `SELECT 1` on a pooled connection.
     let mut pings = Vec::with_capacity(200);
@@ -366,13 +489,20 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
     pings.sort();
     let rtt = (percentile(&pings, 50.0), percentile(&pings, 99.0));
 
-    let workload = Workload { store: store.clone(), baseline, value_size: args.value_size };
+    let workload = Workload {
+        stores,
+        baseline,
+        one_connection,
+        value_size: args.value_size,
+        next_write: (0..max_writers).map(|_| AtomicU64::new(0)).collect(),
+    };
     let mut results: BTreeMap<(usize, Variant), Measured> = BTreeMap::new();
     for &writers in &args.concurrency {
         // Warm-up, untimed: every pooled connection opened and every statement prepared.
         let warm = args.duration.div_f64(5.0).min(Duration::from_secs(1));
         for &variant in &args.variants {
-            slice(&workload, variant, writers, warm, args.keys_per_writer).await?;
+            slice(&workload, variant, writers, warm, args.keys_per_writer, &Tally::default())
+                .await?;
         }
         let per_round = args.duration.div_f64(f64::from(args.rounds));
         for round in 0..args.rounds as usize {
@@ -383,6 +513,7 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
             for variant in order {
                 eprintln!("{writers:>3} writers, round {}: {}", round + 1, variant.name());
                 let before = counters(&admin, postmaster).await?;
+                let statements_before = workload.statements(variant);
                 let (stop, stopped) = watch::channel(false);
                 let sampler = args
                     .sample_waits
@@ -392,20 +523,46 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
                     // row lock of the lease.
                     let sync =
                         probe_renewals(probe.clone(), every, Duration::ZERO, stopped.clone());
-                    let not_sync = probe_renewals(probe_async.clone(), every, every / 2, stopped);
+                    let not_sync =
+                        probe_renewals(probe_async.clone(), every, every / 2, stopped.clone());
                     (tokio::spawn(sync), tokio::spawn(not_sync))
                 });
-                let (latencies, elapsed) =
-                    slice(&workload, variant, writers, per_round, args.keys_per_writer).await?;
+                let tally = Tally::default();
+                let tracer = args.trace.map(|every| {
+                    let label = format!("{writers:>3} {:<12}", variant.name());
+                    trace(&workload, variant, &tally, every, label, stopped)
+                });
+                let slice =
+                    slice(&workload, variant, writers, per_round, args.keys_per_writer, &tally);
+                let ((latencies, elapsed), in_flight) = match tracer {
+                    Some(tracer) => {
+                        // The tracer runs until the slice is over and `stop` is sent.
+                        let (result, in_flight) = join_first(slice, tracer, &stop).await;
+                        (result?, Some(in_flight))
+                    }
+                    None => (slice.await?, None),
+                };
                 let after = counters(&admin, postmaster).await?;
                 stop.send_replace(true);
                 let m = results.entry((writers, variant)).or_default();
+                let mut sorted = latencies.clone();
+                sorted.sort();
+                let per_sec = sorted.len() as f64 / elapsed.as_secs_f64().max(1e-9);
+                m.rounds.push((per_sec, percentile(&sorted, 50.0)));
                 m.latencies.extend(latencies);
                 m.elapsed += elapsed;
                 m.wal_bytes += after.wal_lsn - before.wal_lsn;
                 m.server_cpu = add_cpu(m.server_cpu, before.server_cpu, after.server_cpu);
                 m.client_cpu = add_cpu(m.client_cpu, before.client_cpu, after.client_cpu);
                 m.multixacts += after.mxid_age - before.mxid_age;
+                if let (Some(b), Some(a)) = (statements_before, workload.statements(variant)) {
+                    *m.statements.get_or_insert(0) += a - b;
+                }
+                if let Some((sum, n)) = in_flight {
+                    let total = m.in_flight.get_or_insert((0.0, 0));
+                    total.0 += sum;
+                    total.1 += n;
+                }
                 if let Some((prober, prober_async)) = prober {
                     let (renewals, errors) = prober.await?;
                     m.renewals.extend(renewals);
@@ -422,11 +579,14 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
             }
         }
     }
-    store.close().await?;
+    for store in workload.stores.values() {
+        store.close().await?;
+    }
     drop(admin);
     let _ = admin_task.await;
 
-    let report = Report { args, transport: &target.transport, server_version, rtt, results };
+    let load = (load_start, load_average());
+    let report = Report { args, transport: &target.transport, server_version, rtt, results, load };
     if args.json {
         // The JSON is the output; the table still goes to stderr for whoever watches the run.
         eprint!("{}", report.table());
@@ -435,6 +595,21 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
         print!("{}", report.table());
     }
     Ok(())
+}
+
+/// Runs `slice` and `tracer` concurrently; once the slice is over, sends `stop` so that the
+/// tracer ends too, and returns both outputs.
+async fn join_first<A, B>(
+    slice: impl std::future::Future<Output = A>,
+    tracer: impl std::future::Future<Output = B>,
+    stop: &watch::Sender<bool>,
+) -> (A, B) {
+    let slice = async {
+        let out = slice.await;
+        stop.send_replace(true);
+        out
+    };
+    tokio::join!(slice, tracer)
 }
 
 async fn workload_ping(probe: &Baseline) -> Result<(), BoxError> {
@@ -450,9 +625,16 @@ fn key(writer: usize, k: usize) -> String {
 
 /// What a writer of each variant calls.
 struct Workload {
-    store: PgKvStore,
+    /// The stores of the [`Variant::Store`] variants, by `write_concurrency`.
+    stores: BTreeMap<StoreKey, PgKvStore>,
     baseline: Baseline,
+    /// `ldk-node`'s one connection, when that variant runs.
+    one_connection: Option<OneConnection>,
     value_size: usize,
+    /// Per writer, the number of its next write, counted across slices: every write changes
+    /// its row's value, also the first of a slice after a slow variant's few (counting from 0
+    /// again, a slice rewrote the values the last one wrote, and its WAL shrank to a third).
+    next_write: Vec<AtomicU64>,
 }
 
 impl Workload {
@@ -464,38 +646,155 @@ impl Workload {
         support::value(self.value_size, n)
     }
 
+    fn store(&self, key: StoreKey) -> &PgKvStore {
+        &self.stores[&key]
+    }
+
     async fn write(&self, variant: Variant, key: &str, value: Vec<u8>) -> Result<(), BoxError> {
         match variant {
             Variant::Unfenced => self.baseline.unfenced(key, &value).await,
-            Variant::Fenced => Ok(self.store.write(NS, SUB, key, value).await?),
+            Variant::Store(StoreApi::Write, store) => {
+                Ok(self.store(store).write(NS, SUB, key, value).await?)
+            }
             Variant::Naive => self.baseline.naive(key, &value).await,
             Variant::Solo => self.baseline.fenced(key, &value).await,
             Variant::Pinned => self.baseline.fenced_pinned(key, &value).await,
+            Variant::LdkNode => {
+                let one = self.one_connection.as_ref().expect("connected for ldk-node");
+                one.fenced_unprepared(key, &value).await
+            }
+        }
+    }
+
+    /// The statements a store variant's store has run so far: each shared statement once, and
+    /// every other write and remove one each. `None` for the baselines.
+    fn statements(&self, variant: Variant) -> Option<u64> {
+        let stats = self.store(variant.store()?).stats();
+        let alone =
+            (stats.writes.count + stats.removes.count).saturating_sub(stats.shared.mutations);
+        Some(alone + stats.shared.statements)
+    }
+
+    /// The statements of `variant` in flight now: the connections in use of its pool (the
+    /// store's own for a store variant), or whether `ldk-node`'s one connection is held.
+    fn in_flight(&self, variant: Variant) -> usize {
+        match variant {
+            Variant::Store(_, store) => self.store(store).stats().pool.in_use,
+            Variant::LdkNode => {
+                usize::from(self.one_connection.as_ref().is_some_and(OneConnection::busy))
+            }
+            Variant::Unfenced | Variant::Solo | Variant::Pinned | Variant::Naive => {
+                let status = self.baseline.pool.status();
+                status.size.saturating_sub(status.available)
+            }
         }
     }
 }
 
+/// The writes of one slice so far, which its tracer reads while it runs.
+#[derive(Debug, Default)]
+struct Tally {
+    writes: AtomicU64,
+    /// Their latencies, summed, in nanoseconds.
+    latency_nanos: AtomicU64,
+}
+
+impl Tally {
+    fn add(&self, latency: Duration) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        self.latency_nanos.fetch_add(latency.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> (u64, u64) {
+        (self.writes.load(Ordering::Relaxed), self.latency_nanos.load(Ordering::Relaxed))
+    }
+}
+
+/// `--trace-inflight`: samples the statements in flight every millisecond until `stop`, and
+/// prints a line every `every` (see the module docs). Returns the samples' sum and number.
+async fn trace(
+    workload: &Workload,
+    variant: Variant,
+    tally: &Tally,
+    every: Duration,
+    label: String,
+    mut stop: watch::Receiver<bool>,
+) -> (f64, u64) {
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let (mut total, mut samples) = (0.0, 0);
+    // The window being summed: since when, the counters at its start, its samples.
+    let mut since = Instant::now();
+    let mut at_start = (tally.read(), workload.statements(variant));
+    let (mut sum, mut n, mut max) = (0usize, 0u64, 0usize);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            _ = tick.tick() => {}
+        }
+        let in_flight = workload.in_flight(variant);
+        (sum, n, max) = (sum + in_flight, n + 1, max.max(in_flight));
+        total += in_flight as f64;
+        samples += 1;
+        let window = since.elapsed();
+        if window < every {
+            continue;
+        }
+        let now = (tally.read(), workload.statements(variant));
+        let writes = now.0.0 - at_start.0.0;
+        let latency_ms = (now.0.1 - at_start.0.1) as f64 / 1e6 / writes.max(1) as f64;
+        let statements = match (at_start.1, now.1) {
+            (Some(a), Some(b)) => b - a,
+            _ => writes,
+        };
+        let secs = window.as_secs_f64();
+        let mean = sum as f64 / n.max(1) as f64;
+        // Little's law: statements in flight = statements per second × their duration.
+        let statement_ms = mean / (statements as f64 / secs).max(1e-9) * 1e3;
+        eprintln!(
+            "trace {label} t {:>5.2} s  writes/s {:>6.0}  stmts/s {:>6.0}  writes/stmt {:>5.2}  \
+             in flight {:>5.2} (max {max:>2})  latency {:>6.2} ms = stmt {:>6.2} + wait {:>6.2}",
+            started.elapsed().as_secs_f64(),
+            writes as f64 / secs,
+            statements as f64 / secs,
+            writes as f64 / statements.max(1) as f64,
+            mean,
+            latency_ms,
+            statement_ms.min(latency_ms),
+            (latency_ms - statement_ms).max(0.0),
+        );
+        since = Instant::now();
+        at_start = now;
+        (sum, n, max) = (0, 0, 0);
+    }
+    (total, samples)
+}
+
 /// Runs `writers` concurrent writers of one variant for `duration`; returns every write's
-/// latency and the wall time until the last writer finished.
+/// latency and the wall time until the last writer finished. Each write is also added to
+/// `tally`.
 async fn slice(
     workload: &Workload,
     variant: Variant,
     writers: usize,
     duration: Duration,
     keys_per_writer: usize,
+    tally: &Tally,
 ) -> Result<(Vec<Duration>, Duration), BoxError> {
     let start = Instant::now();
     let deadline = start + duration;
     let tasks = (0..writers).map(|w| async move {
         let mut latencies = Vec::new();
-        let mut i = 0;
         while Instant::now() < deadline {
-            let key = key(w, i % keys_per_writer);
-            let value = workload.value(i as u64);
-            i += 1;
+            let i = workload.next_write[w].fetch_add(1, Ordering::Relaxed);
+            let key = key(w, i as usize % keys_per_writer);
+            let value = workload.value(i);
             let began = Instant::now();
             workload.write(variant, &key, value).await?;
-            latencies.push(began.elapsed());
+            let latency = began.elapsed();
+            tally.add(latency);
+            latencies.push(latency);
         }
         Ok::<_, BoxError>(latencies)
     });
@@ -664,6 +963,8 @@ struct Report<'a> {
     /// Median and p99 of a `SELECT 1` round trip, measured before the writers start.
     rtt: (Duration, Duration),
     results: BTreeMap<(usize, Variant), Measured>,
+    /// The 1, 5 and 15 minute load averages before the measurements and after them.
+    load: (Option<String>, Option<String>),
 }
 
 struct Summary {
@@ -680,6 +981,14 @@ struct Summary {
     client_cpu_per_op: Option<Duration>,
     renewal: Option<(usize, usize, Duration, Duration, Duration)>,
     renewal_async: Option<(usize, Duration, Duration, Duration)>,
+    /// A store's writes per statement.
+    writes_per_statement: Option<f64>,
+    /// The mean number of statements in flight (`--trace-inflight`).
+    in_flight: Option<f64>,
+    /// With `--trace-inflight`: a statement's mean duration, from Little's law (in flight ÷
+    /// statements per second), and the rest of the mean write latency: the wait for a
+    /// statement, and the client's own time.
+    statement_and_wait: Option<(Duration, Duration)>,
 }
 
 fn summarize(m: &Measured) -> Summary {
@@ -712,6 +1021,17 @@ fn summarize(m: &Measured) -> Summary {
                 renewals.last().copied().unwrap_or_default(),
             )
         }),
+        writes_per_statement: m.statements.map(|n| ops as f64 / n.max(1) as f64),
+        in_flight: m.in_flight.map(|(sum, n)| sum / n.max(1) as f64),
+        statement_and_wait: m.in_flight.map(|(sum, n)| {
+            let statements_per_sec =
+                m.statements.unwrap_or(ops as u64) as f64 / m.elapsed.as_secs_f64().max(1e-9);
+            let statement = Duration::from_secs_f64(
+                (sum / n.max(1) as f64 / statements_per_sec.max(1e-9)).min(1e6),
+            );
+            let mean = if ops > 0 { total / ops as u32 } else { Duration::ZERO };
+            (statement.min(mean), mean.saturating_sub(statement))
+        }),
         renewal_async: (!renewals_async.is_empty()).then(|| {
             (
                 renewals_async.len(),
@@ -735,7 +1055,8 @@ impl Report<'_> {
     fn header(&self) -> String {
         format!(
             "{}{}; {} CPUs; {}; SELECT 1 round trip p50 {:.3} ms, p99 {:.3} ms;\n\
-             {}-byte values; {:.1} s per variant and concurrency in {} rounds",
+             {}-byte values; {:.1} s per variant and concurrency in {} rounds; \
+             load average {} at the start, {} at the end",
             if cfg!(debug_assertions) { "DEBUG BUILD (use --release); " } else { "" },
             self.server_version.split(" on ").next().unwrap_or(&self.server_version),
             cpus(),
@@ -744,7 +1065,9 @@ impl Report<'_> {
             ms(self.rtt.1),
             self.args.value_size,
             self.args.duration.as_secs_f64(),
-            self.args.rounds
+            self.args.rounds,
+            self.load.0.as_deref().unwrap_or("?"),
+            self.load.1.as_deref().unwrap_or("?"),
         )
     }
 
@@ -753,7 +1076,7 @@ impl Report<'_> {
         let _ = writeln!(out, "\n{}\n", self.header());
         let _ = writeln!(
             out,
-            "{:>7}  {:<9} {:>9} {:>9} {:>9} {:>9}  {:>8} {:>8} {:>8}  {:>8} {:>6} {:>8} {:>8}",
+            "{:>7}  {:<12} {:>9} {:>9} {:>9} {:>9}  {:>8} {:>8} {:>8}  {:>8} {:>6} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
             "writers",
             "variant",
             "ops/s",
@@ -766,7 +1089,11 @@ impl Report<'_> {
             "WAL B/op",
             "mxact",
             "srv µs",
-            "cli µs"
+            "cli µs",
+            "w/stmt",
+            "flight",
+            "stmt ms",
+            "wait ms"
         );
         for (&(writers, variant), m) in &self.results {
             let s = summarize(m);
@@ -777,7 +1104,7 @@ impl Report<'_> {
             };
             let _ = writeln!(
                 out,
-                "{:>7}  {:<9} {:>9.0} {:>9.3} {:>9.3} {:>9.3}  {:>8} {:>8} {:>8}  {:>8.0} {:>6.2} {:>8} {:>8}",
+                "{:>7}  {:<12} {:>9.0} {:>9.3} {:>9.3} {:>9.3}  {:>8} {:>8} {:>8}  {:>8.0} {:>6.2} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
                 writers,
                 variant.name(),
                 s.ops_per_sec,
@@ -791,12 +1118,19 @@ impl Report<'_> {
                 s.multixacts_per_op,
                 s.server_cpu_per_op.map_or("-".to_owned(), |d| d.as_micros().to_string()),
                 s.client_cpu_per_op.map_or("-".to_owned(), |d| d.as_micros().to_string()),
+                s.writes_per_statement.map_or("-".to_owned(), |w| format!("{w:.2}")),
+                s.in_flight.map_or("-".to_owned(), |f| format!("{f:.2}")),
+                s.statement_and_wait.map_or("-".to_owned(), |(st, _)| format!("{:.3}", ms(st))),
+                s.statement_and_wait.map_or("-".to_owned(), |(_, w)| format!("{:.3}", ms(w))),
             );
         }
         let _ = writeln!(
             out,
             "\n(x: ratio to unfenced at the same number of writers; mxact: MultiXacts created per \
-             write; srv/cli µs: CPU time per write of the whole server and of this process)"
+             write; srv/cli µs: CPU time per write of the whole server and of this process;\n\
+             w/stmt: a store's writes per statement; with --trace-inflight, flight: mean \
+             statements in flight,\nstmt ms: a statement's mean duration (flight ÷ statements \
+             per second), wait ms: the rest of the mean latency)"
         );
         if self.args.renew_probe.is_some() {
             let _ = writeln!(
@@ -809,7 +1143,7 @@ impl Report<'_> {
                 if let Some((_, p50, p99, max)) = s.renewal_async {
                     let _ = writeln!(
                         out,
-                        "{writers:>7}  {:<9} async p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
+                        "{writers:>7}  {:<12} async p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
                         variant.name(),
                         ms(p50),
                         ms(p99),
@@ -819,7 +1153,7 @@ impl Report<'_> {
                 if let Some((n, errors, p50, p99, max)) = s.renewal {
                     let _ = writeln!(
                         out,
-                        "{writers:>7}  {:<9} p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms  ({n} renewals, {errors} failed)",
+                        "{writers:>7}  {:<12} p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms  ({n} renewals, {errors} failed)",
                         variant.name(),
                         ms(p50),
                         ms(p99),
@@ -839,7 +1173,7 @@ impl Report<'_> {
                     .take(6)
                     .map(|(w, n)| format!("{w} {:.0}%", **n as f64 * 100.0 / total.max(1) as f64))
                     .collect();
-                let _ = writeln!(out, "{writers:>7}  {:<9} {}", variant.name(), line.join(", "));
+                let _ = writeln!(out, "{writers:>7}  {:<12} {}", variant.name(), line.join(", "));
             }
         }
         out
@@ -852,7 +1186,7 @@ impl Report<'_> {
             let base = self.results.get(&(writers, Variant::Unfenced)).map(summarize);
             let mut fields = vec![
                 format!("\"writers\":{writers}"),
-                format!("\"variant\":{}", json_str(variant.name())),
+                format!("\"variant\":{}", json_str(&variant.name())),
                 format!("\"ops\":{}", s.ops),
                 format!("\"seconds\":{:.3}", m.elapsed.as_secs_f64()),
                 format!("\"ops_per_sec\":{:.1}", s.ops_per_sec),
@@ -869,6 +1203,22 @@ impl Report<'_> {
             }
             if let Some(cpu) = s.client_cpu_per_op {
                 fields.push(format!("\"client_cpu_us_per_op\":{:.1}", cpu.as_secs_f64() * 1e6));
+            }
+            let rounds: Vec<String> = m
+                .rounds
+                .iter()
+                .map(|(per_sec, p50)| format!("[{per_sec:.1},{}]", us(*p50)))
+                .collect();
+            fields.push(format!("\"rounds_ops_per_sec_p50_us\":[{}]", rounds.join(",")));
+            if let Some(w) = s.writes_per_statement {
+                fields.push(format!("\"writes_per_statement\":{w:.3}"));
+            }
+            if let Some(f) = s.in_flight {
+                fields.push(format!("\"in_flight_mean\":{f:.3}"));
+            }
+            if let Some((statement, wait)) = s.statement_and_wait {
+                fields.push(format!("\"statement_us\":{}", us(statement)));
+                fields.push(format!("\"wait_us\":{}", us(wait)));
             }
             if let Some(b) = base.filter(|_| variant != Variant::Unfenced) {
                 fields.push(format!(
@@ -905,9 +1255,12 @@ impl Report<'_> {
         let started =
             SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         format!(
-            "{{\"tool\":\"pgfence-bench\",\"unix_time\":{started},\"server_version\":{},\"cpus\":{},\
+            "{{\"tool\":\"pgfence-bench\",\"unix_time\":{started},\"load_start\":{},\"load_end\":{},\
+\"server_version\":{},\"cpus\":{},\
 \"transport\":{},\"rtt_p50_us\":{},\"rtt_p99_us\":{},\"delay_us\":{},\"value_size\":{},\
 \"duration_secs\":{},\"rounds\":{},\"write_concurrency\":{},\"concurrency\":[{}],\"results\":[{}]}}",
+            self.load.0.as_deref().map_or("null".to_owned(), json_str),
+            self.load.1.as_deref().map_or("null".to_owned(), json_str),
             json_str(&self.server_version),
             cpus(),
             json_str(self.transport),
@@ -922,6 +1275,12 @@ impl Report<'_> {
             results.join(",")
         )
     }
+}
+
+/// The 1, 5 and 15 minute load averages (Linux `/proc/loadavg`), as `"0.52 0.58 0.59"`.
+fn load_average() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(text.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
 fn cpus() -> usize {

@@ -224,6 +224,52 @@ impl Baseline {
     }
 }
 
+/// ldk-node's pattern: every operation on one connection behind a mutex, with the fenced
+/// statement ([`FENCED_WRITE`]) sent as a SQL string. tokio-postgres then prepares it on every
+/// call (Parse and Describe, one round trip) before it runs it (Bind and Execute, another): two
+/// round trips, and a parse and plan on the server, per write. The `ldk-node` variant of the
+/// bench command.
+#[derive(Debug)]
+pub struct OneConnection {
+    client: tokio::sync::Mutex<tokio_postgres::Client>,
+    owner: uuid::Uuid,
+    fenced: String,
+}
+
+impl OneConnection {
+    /// Connects to `config` and spawns the connection's task, which ends when this is dropped.
+    pub async fn connect(
+        config: &tokio_postgres::Config,
+        store: &PgKvStore,
+        table: &str,
+    ) -> Result<OneConnection, BoxError> {
+        let (client, connection) = config.connect(NoTls).await?;
+        tokio::spawn(connection);
+        Ok(OneConnection {
+            client: tokio::sync::Mutex::new(client),
+            owner: store.owner_id(),
+            fenced: sql(FENCED_WRITE, table),
+        })
+    }
+
+    /// One fenced write, unprepared, while holding the one connection.
+    pub async fn fenced_unprepared(&self, key: &str, value: &[u8]) -> Result<(), BoxError> {
+        let client = self.client.lock().await;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&self.owner, &NS, &SUB, &key, &value];
+        let row = client.query_one(self.fenced.as_str(), &params).await?;
+        if !row.get::<_, bool>(0) {
+            return Err("fenced write: the lease is not ours".into());
+        }
+        Ok(())
+    }
+
+    /// Whether an operation holds the connection now (a statement is in flight).
+    pub fn busy(&self) -> bool {
+        self.client.try_lock().is_err()
+    }
+}
+
 /// A value of `len` bytes (not all equal, so nothing compresses it away).
 pub fn value(len: usize, seed: u64) -> Vec<u8> {
     (0..len as u64).map(|i| (i.wrapping_mul(31).wrapping_add(seed) % 251) as u8).collect()
