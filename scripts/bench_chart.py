@@ -14,11 +14,24 @@ import math
 import statistics
 import sys
 
-ORDER = ["unfenced", "fenced", "fenced-wc8", "solo", "pinned", "naive", "ldk-node", "coalesced"]
+ORDER = [
+    "unfenced",
+    "fenced",
+    "fenced-wc8",
+    "deferred",
+    "deferred+flush",
+    "solo",
+    "pinned",
+    "naive",
+    "ldk-node",
+    "coalesced",
+]
 COLORS = {
     "unfenced": "#4c72b0",
     "fenced": "#55a868",
     "fenced-wc8": "#8fd19e",
+    "deferred": "#64b5cd",
+    "deferred+flush": "#ccb974",
     "solo": "#dd8452",
     "pinned": "#937860",
     "naive": "#c44e52",

@@ -19,7 +19,18 @@ import statistics
 import sys
 import textwrap
 
-ORDER = ["unfenced", "fenced", "fenced-wc8", "solo", "pinned", "naive", "ldk-node", "coalesced"]
+ORDER = [
+    "unfenced",
+    "fenced",
+    "fenced-wc8",
+    "deferred",
+    "deferred+flush",
+    "solo",
+    "pinned",
+    "naive",
+    "ldk-node",
+    "coalesced",
+]
 
 DESCRIPTIONS = {
     "unfenced": "`INSERT .. ON CONFLICT DO UPDATE`, one prepared statement, one pooled "
@@ -29,6 +40,10 @@ DESCRIPTIONS = {
     "`write_concurrency` (4) statements run.",
     "fenced-wc8": "the store with `write_concurrency` 8, on a table of its own: more "
     "statements at once, fewer writes in each.",
+    "deferred": "`PgKvStore::write_deferred`: the store's write, committed without waiting "
+    "for its WAL flush (`synchronous_commit = off` for that transaction only).",
+    "deferred+flush": "`write_deferred`, then `PgKvStore::flush()`, each time: what a deferred "
+    "write made durable at once costs.",
     "solo": "the store's fenced single-key statement, prepared, one per write, never shared.",
     "pinned": "`solo` with `synchronous_commit` set in the statement.",
     "naive": "the seed's first design: `BEGIN`; `UPDATE` of the lease row; upsert; `COMMIT`. "

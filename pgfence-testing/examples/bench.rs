@@ -119,22 +119,26 @@ type StoreKey = Option<usize>;
 /// The store call a [`Variant::Store`] times. Its name is the variant's (`fenced`), and
 /// `<name>-wcN` runs it on a store with `write_concurrency` N.
 ///
-/// Deferred writes plug in here: a `Deferred` (`PgKvStore::write_deferred`) and a `Flush`
-/// (`write_deferred`, then `PgKvStore::flush`) member, their names in [`StoreApi::ALL`] and
-/// [`StoreApi::name`], and their calls in [`Workload::write`]. Stores, tables, tracing and the
-/// reports follow from [`Variant::Store`].
+/// Stores, tables, tracing and the reports follow from [`Variant::Store`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum StoreApi {
     /// `PgKvStore::write`, awaited.
     Write,
+    /// `PgKvStore::write_deferred`, awaited: committed without waiting for the WAL flush.
+    Deferred,
+    /// `write_deferred`, then `PgKvStore::flush`: what making each write durable that way
+    /// costs.
+    Flush,
 }
 
 impl StoreApi {
-    const ALL: [StoreApi; 1] = [StoreApi::Write];
+    const ALL: [StoreApi; 3] = [StoreApi::Write, StoreApi::Deferred, StoreApi::Flush];
 
     fn name(self) -> &'static str {
         match self {
             StoreApi::Write => "fenced",
+            StoreApi::Deferred => "deferred",
+            StoreApi::Flush => "deferred+flush",
         }
     }
 }
@@ -655,6 +659,14 @@ impl Workload {
             Variant::Unfenced => self.baseline.unfenced(key, &value).await,
             Variant::Store(StoreApi::Write, store) => {
                 Ok(self.store(store).write(NS, SUB, key, value).await?)
+            }
+            Variant::Store(StoreApi::Deferred, store) => {
+                Ok(self.store(store).write_deferred(NS, SUB, key, value).await?)
+            }
+            Variant::Store(StoreApi::Flush, store) => {
+                let store = self.store(store);
+                store.write_deferred(NS, SUB, key, value).await?;
+                Ok(store.flush().await?)
             }
             Variant::Naive => self.baseline.naive(key, &value).await,
             Variant::Solo => self.baseline.fenced(key, &value).await,
