@@ -321,11 +321,12 @@ impl PgKvStore {
     ///   deferred write and before the flush, that write may be lost, and the flush cannot see
     ///   it. See docs/design.md, section "Deferred writes and flush".
     pub fn flush(&self) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
-        let exec = Arc::clone(&self.exec);
+        let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
+        let since = writes.marker.since();
         let span = exec.span("flush", "", "", "");
         async move {
             let store = Arc::clone(&exec);
-            let work = async move { store.flush().await };
+            let work = async move { writes.flush(&store, since).await };
             admitted(&exec, Op::Flush, work.instrument(span)).await
         }
     }
@@ -348,6 +349,9 @@ impl PgKvStore {
                 Mutation::Remove => Ok(()),
             })
             .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
+        // Taken in the call, as the ticket is: a durable call covers the deferred calls that
+        // returned `Ok` before it was made.
+        let since = writes.marker.since();
         let span = exec.span(operation, primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
@@ -355,7 +359,7 @@ impl PgKvStore {
             let store = Arc::clone(&exec);
             let work = async move {
                 let _reserved = reserved;
-                writes.mutate(&store, ticket, mutation, durability).await
+                writes.mutate(&store, ticket, mutation, (durability, since)).await
             };
             if durability == Durability::Deferred {
                 exec.lease.stats.deferred();

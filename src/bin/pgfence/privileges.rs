@@ -21,8 +21,9 @@ pub(crate) enum Use {
     Write,
 }
 
-/// The three tables of a pgfence table name, by the suffix of their name.
-pub(crate) const TABLES: [&str; 3] = ["", "_lease", "_schema_version"];
+/// The tables of a pgfence table name, by the suffix of their name. `_crash_marker` is the
+/// UNLOGGED table that tells a flush of deferred writes whether the server crashed since.
+pub(crate) const TABLES: [&str; 4] = ["", "_lease", "_schema_version", "_crash_marker"];
 
 impl Use {
     /// The rights this use needs on the table with `suffix` (one of [`TABLES`]).
@@ -34,6 +35,7 @@ impl Use {
             (Use::Write, "") => &["SELECT", "INSERT", "UPDATE", "DELETE"],
             (Use::Write, "_lease") => &["SELECT", "INSERT", "UPDATE"],
             (Use::Write, "_schema_version") => &["SELECT"],
+            (Use::Write, "_crash_marker") => &["SELECT", "INSERT", "UPDATE"],
             _ => &[],
         }
     }
