@@ -304,7 +304,8 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
         let connection = tokio::spawn(connection);
         admin
             .batch_execute(&format!(
-                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
+                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \
+                 \"{table}_schema_version\", \"{table}_crash_marker\""
             ))
             .await?;
         drop(admin);
