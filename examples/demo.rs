@@ -42,9 +42,13 @@ async fn main() -> Result<(), BoxError> {
     demo.and(dropped)
 }
 
-/// Drops the demo's three tables (the store's KV, lease and schema version tables).
+/// Drops the demo's four tables (the store's KV, lease, schema version and crash marker
+/// tables).
 fn drop_tables(table: &str) -> String {
-    format!("DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\"")
+    format!(
+        "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\", \
+         \"{table}_crash_marker\""
+    )
 }
 
 async fn demo(server: &TestServer, table: &str) -> Result<(), BoxError> {

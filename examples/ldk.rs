@@ -67,7 +67,8 @@ async fn main() -> Result<(), Error> {
     let dropped = match server.connect().await {
         Ok(admin) => {
             let sql = format!(
-                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
+                "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\", \
+                 \"{table}_crash_marker\""
             );
             admin.batch_execute(&sql).await.map_err(Error::from)
         }

@@ -111,6 +111,30 @@ pub enum Error {
         supported: i32,
     },
 
+    /// The server crashed, or failed over to a standby, after deferred writes of this store
+    /// returned `Ok` and before they were flushed. They may be lost, all of them or a later part
+    /// of them (what survives a crash is a prefix).
+    ///
+    /// [`crate::PgKvStore::flush`] returns it, and so does a durable `write`, `remove` or
+    /// `commit` called while such deferred writes were pending: the store found its crash
+    /// marker gone (docs/design.md, "Deferred writes and flush"). A deferred call that was in
+    /// flight across the loss returns it too: it committed, but maybe before the crash.
+    ///
+    /// The lease is still held and the store still works: this call reported the loss, and the
+    /// next flush vouches again for deferred writes made after it. What the caller should do:
+    /// treat every deferred write since the last `flush` or durable call that returned `Ok` as
+    /// possibly missing. Read those keys back, and write again what must be there. A durable
+    /// call that returned this error did not run; call it again.
+    #[error(
+        "the server crashed or failed over: {writes} deferred calls since the last flush may be \
+         lost"
+    )]
+    DeferredWritesLost {
+        /// How many deferred calls returned `Ok` since the last flush that vouched for them (1
+        /// for the deferred call that returns this error itself).
+        writes: u64,
+    },
+
     /// The store was closed with [`crate::PgKvStore::close`].
     #[error("store is closed")]
     Closed,
@@ -274,6 +298,9 @@ impl fmt::Debug for Error {
                 .field("found", found)
                 .field("supported", supported)
                 .finish(),
+            Error::DeferredWritesLost { writes } => {
+                f.debug_struct("DeferredWritesLost").field("writes", writes).finish()
+            }
             Error::Closed => f.write_str("Closed"),
             Error::Database { operation, source } => f
                 .debug_struct("Database")
@@ -459,6 +486,11 @@ impl Error {
     /// True for [`Error::LeaseLost`].
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, Error::LeaseLost { .. })
+    }
+
+    /// True for [`Error::DeferredWritesLost`].
+    pub fn is_deferred_writes_lost(&self) -> bool {
+        matches!(self, Error::DeferredWritesLost { .. })
     }
 
     /// True for [`Error::NotFound`].
@@ -654,6 +686,7 @@ impl From<Error> for std::io::Error {
             Error::Closed => ErrorKind::NotConnected,
             Error::Timeout { .. } => ErrorKind::TimedOut,
             Error::SchemaTooNew { .. }
+            | Error::DeferredWritesLost { .. }
             | Error::Database { .. }
             | Error::Pool { .. }
             | Error::Runtime { .. } => ErrorKind::Other,

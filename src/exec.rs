@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
+use uuid::Uuid;
 
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
@@ -109,20 +110,29 @@ impl Executor {
 
     /// Makes every deferred mutation of this store that committed before this call durable
     /// ([`sql::FLUSH`](crate::sql::FLUSH)): a no-op update of the lease row by owner id,
-    /// committed durably. The store's own sessions commit so; elsewhere it runs pinned like a
-    /// mutation. It retries a broken connection as any statement does: every attempt that
-    /// commits is a durable commit after those mutations, so one more is harmless.
+    /// committed durably. In the same transaction it checks that the crash marker still holds
+    /// `token`, and writes `next` there if not. It returns whether `token` was kept: false means
+    /// the server crashed or failed over since `token` was written. The caller keeps the state
+    /// of tokens ([`crate::write::marker`]).
     ///
-    /// No row means the lease is no longer ours: the store fails closed (`Fenced`), or `Closed`
-    /// after its own release. The store's own change of owner id may have committed while the
-    /// statement was in transit, to an id it did not carry. That is no loss: it goes again with
-    /// every id, as renewal does.
-    pub(crate) async fn flush(&self) -> Result<()> {
+    /// The store's own sessions commit so; elsewhere it runs pinned like a mutation, so the
+    /// check and the commit are one transaction there too. It retries a broken connection as
+    /// any statement does: every attempt that commits is a durable commit after those
+    /// mutations, so one more is harmless. A retry still looks for `token`, so an attempt that
+    /// wrote `next` and went unanswered does not hide the loss.
+    ///
+    /// No row held means the lease is no longer ours: the store fails closed (`Fenced`), or
+    /// `Closed` after its own release. The store's own change of owner id may have committed
+    /// while the statement was in transit, to an id it did not carry. That is no loss: it goes
+    /// again with every id, as renewal does.
+    pub(crate) async fn flush(&self, token: Uuid, next: Uuid) -> Result<bool> {
         loop {
             let ids = self.lease.owner_ids();
-            let rows = self.run("flush", &self.statements.flush, &[&ids], Kind::Flush).await?;
-            if !rows.is_empty() {
-                return Ok(());
+            let params: [&(dyn ToSql + Sync); 3] = [&ids, &token, &next];
+            let rows = self.run("flush", &self.statements.flush, &params, Kind::Flush).await?;
+            let (held, kept) = rows.first().map_or((false, true), |row| (row.get(0), row.get(1)));
+            if held {
+                return Ok(kept);
             }
             if !self.lease.owner_ids_added_since(&ids) {
                 return Err(self.refused());

@@ -19,7 +19,8 @@ pub const MAX_BATCH_BYTES: usize = 512 << 20;
 pub(crate) const MAX_TABLE_NAME_LEN: usize = 48;
 
 /// The endings of the names a store derives from its table name `t`, in the table's schema:
-/// its tables `t_lease` and `t_schema_version`, the explicitly named index `t_created_idx`,
+/// its tables `t_lease`, `t_schema_version` and `t_crash_marker`, the explicitly named index
+/// `t_created_idx`,
 /// and the names PostgreSQL gives the keys and the identity sequence (`t_pkey`,
 /// `t_lease_owner_id_key`, `t_created_seq_seq`). Tables, indexes and sequences share one
 /// namespace. A table name with one of these endings would be a name another store derives:
@@ -29,6 +30,7 @@ pub(crate) const MAX_TABLE_NAME_LEN: usize = 48;
 const DERIVED_ENDINGS: &[&str] = &[
     "_lease",
     "_schema_version",
+    "_crash_marker",
     "_created_idx",
     "_pkey",
     "_lease_owner_id_key",
@@ -178,6 +180,7 @@ mod tests {
             ("kv_created_idx", "\"kv\""),
             ("kv_created_seq_seq", "\"kv\""),
             ("kv_lease_owner_id_key", "\"kv\""),
+            ("kv_crash_marker", "\"kv\""),
         ] {
             let e = TableName::parse(bad).unwrap_err();
             let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{e}") };

@@ -7,9 +7,10 @@
 //! (`SELECT`), and every fenced statement locks the lease row `FOR KEY SHARE`, which needs
 //! `UPDATE` on the lease table besides `SELECT`.
 
-/// The three tables of a pgfence table name, by the ending of their name: the entries, the
-/// lease row, the schema version.
-pub const TABLES: [&str; 3] = ["", "_lease", "_schema_version"];
+/// The tables of a pgfence table name, by the ending of their name: the entries, the lease
+/// row, the schema version, and the UNLOGGED crash marker that tells a flush of deferred writes
+/// whether the server crashed since they were written.
+pub const TABLES: [&str; 4] = ["", "_lease", "_schema_version", "_crash_marker"];
 
 /// What a role does with a store's tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,8 +22,11 @@ pub enum Use {
     Status,
     /// What [`Use::Read`] and [`Use::Status`] need together: a read-only role.
     Reader,
-    /// Renews, releases or expires the lease row; a `flush` updates it too.
+    /// Renews, releases or expires the lease row.
     Release,
+    /// A `flush`: a no-op update of the lease row, and a check (and renewal) of the crash
+    /// marker.
+    Flush,
     /// One fenced `write`.
     Put,
     /// One fenced `remove`.
@@ -44,7 +48,8 @@ impl Use {
         match (self, ending) {
             (Use::Read | Use::Reader, "") => S,
             (Use::Status | Use::Reader, "_lease") => S,
-            (Use::Release | Use::Put | Use::Remove | Use::Batch, "_lease") => SU,
+            (Use::Release | Use::Flush | Use::Put | Use::Remove | Use::Batch, "_lease") => SU,
+            (Use::Flush | Use::Write, "_crash_marker") => SIU,
             (Use::Put, "") => SIU,
             (Use::Remove, "") => &["SELECT", "DELETE"],
             (Use::Batch | Use::Write, "") => &["SELECT", "INSERT", "UPDATE", "DELETE"],
@@ -62,7 +67,8 @@ impl Use {
             "batch" => Use::Batch,
             "read" | "list" | "list a page" | "list all keys" | "read entries" => Use::Read,
             "read lease" => Use::Status,
-            "renew lease" | "release lease" | "prepare renewal" | "flush" => Use::Release,
+            "renew lease" | "release lease" | "prepare renewal" => Use::Release,
+            "flush" => Use::Flush,
             _ => Use::Write,
         }
     }

@@ -30,6 +30,8 @@ pub(crate) struct Acquired {
     pub(crate) started: Duration,
     /// The NOTIFY channel of the table as this setup resolved its name, for the release.
     pub(crate) channel: String,
+    /// The token this setup wrote into the crash marker ([`sql::SET_CRASH_MARKER`]).
+    pub(crate) crash_token: Uuid,
 }
 
 /// Who describes itself in the lease row.
@@ -274,7 +276,12 @@ async fn prepare(
     let restart = &statements.restart_expiry;
     (mode.query_one(tx, &restart.sql, restart.types, &[&holder.owner_id, &ttl_ms]).await)
         .map_err(Error::db("acquire lease"))?;
-    Ok(Acquired { owner_id: holder.owner_id, epoch, started, channel })
+    // After the lease is ours, in its transaction: before any deferred commit of this store.
+    let crash_token = Uuid::new_v4();
+    let marker = &statements.set_crash_marker;
+    (mode.execute(tx, &marker.sql, marker.types, &[&crash_token]).await)
+        .map_err(Error::db("write crash marker"))?;
+    Ok(Acquired { owner_id: holder.owner_id, epoch, started, channel, crash_token })
 }
 
 /// Creates the table's missing schema.

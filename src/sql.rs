@@ -243,27 +243,57 @@ UPDATE {lease}
 RETURNING epoch"#;
 pub(crate) const CHANGE_OWNER_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID];
 
-/// Makes every deferred mutation committed before it durable ([`deferred`]): a fenced
-/// no-op update of the lease row by owner id (`$1`: every owner id of this store), committed
-/// durably. No row: the lease is no longer ours, or expired.
+/// Makes every deferred mutation committed before it durable ([`deferred`]), and says
+/// whether the server lost any since the crash marker was written. `$1`: every owner id of this
+/// store. `$2`: the store's token in the crash marker. `$3`: the token to write if it is gone.
 ///
-/// Its commit waits for the WAL flush up to its own commit record, like any durable commit. That
+/// `flushed` is a fenced no-op update of the lease row by owner id, committed durably. Its
+/// commit waits for the WAL flush up to its own commit record, like any durable commit. That
 /// record follows the commit record of every transaction that committed before it began. So once
 /// it is flushed, they are too. Under synchronous replication it waits for the standby up to
 /// there as well. A transaction that wrote no WAL would not do: PostgreSQL commits it without
 /// waiting for any flush, whatever `synchronous_commit` says. This one writes a new version of
 /// the row, so it does.
 ///
-/// It needs only the grants the store needs anyway (`SELECT, UPDATE` on the lease table), unlike
-/// `pg_logical_emit_message`, which is for superusers by default. It changes no key column, so it
-/// takes a FOR NO KEY UPDATE row lock, like [`RENEW`]: the writers' FOR KEY SHARE does not block
-/// it. It writes `expires_at` back unchanged: it neither extends nor shortens the lease.
+/// `marker` reads the crash marker, an UNLOGGED table (migrations/0005_crash_marker.sql). Every
+/// crash recovery empties it, and a promoted standby starts with it empty. The store wrote `$2`
+/// into it when it took the lease ([`SET_CRASH_MARKER`]), before any deferred commit of its own.
+/// So `kept` false means the server crashed or failed over since: deferred commits before that
+/// may be lost, and this flush cannot vouch for them. `renewed` then writes `$3`, in this
+/// transaction, so that deferred commits after it are covered again. A retry of this statement
+/// after a lost answer still carries `$2`, so it still sees the loss.
+///
+/// It returns one row: `held` (the lease is ours; if not, nothing was written) and `kept`. All
+/// CTEs share one snapshot, so `marker` reads the row as it was before `renewed`.
+///
+/// It needs `SELECT, UPDATE` on the lease table and `SELECT, INSERT, UPDATE` on the crash
+/// marker, unlike `pg_logical_emit_message`, which is for superusers by default. It changes no
+/// key column of the lease row, so it takes a FOR NO KEY UPDATE row lock, like [`RENEW`]: the
+/// writers' FOR KEY SHARE does not block it. It writes `expires_at` back unchanged: it neither
+/// extends nor shortens the lease.
 pub(crate) const FLUSH: &str = r#"
-UPDATE {lease}
-   SET expires_at = expires_at
- WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
-RETURNING epoch"#;
-pub(crate) const FLUSH_TYPES: &[Type] = &[Type::UUID_ARRAY];
+WITH flushed AS (
+    UPDATE {lease}
+       SET expires_at = expires_at
+     WHERE id = 1 AND owner_id = ANY($1::uuid[]) AND expires_at > clock_timestamp()
+    RETURNING epoch
+), marker AS (
+    SELECT EXISTS (SELECT 1 FROM {crash_marker} WHERE id = 1 AND token = $2) AS kept
+), renewed AS (
+    INSERT INTO {crash_marker} (id, token)
+    SELECT 1, $3 FROM flushed, marker WHERE NOT marker.kept
+    ON CONFLICT (id) DO UPDATE SET token = EXCLUDED.token
+)
+SELECT EXISTS (SELECT 1 FROM flushed) AS held, marker.kept FROM marker"#;
+pub(crate) const FLUSH_TYPES: &[Type] = &[Type::UUID_ARRAY, Type::UUID, Type::UUID];
+
+/// Writes the store's token into the crash marker ([`FLUSH`] has what it is for). Run in the
+/// setup transaction, after the lease is taken: so it is fenced like the acquisition, and it
+/// precedes every deferred commit of the store. `$1`: the token.
+pub(crate) const SET_CRASH_MARKER: &str = r#"
+INSERT INTO {crash_marker} (id, token) VALUES (1, $1)
+ON CONFLICT (id) DO UPDATE SET token = EXCLUDED.token"#;
+pub(crate) const SET_CRASH_MARKER_TYPES: &[Type] = &[Type::UUID];
 
 /// Begins the transaction of a fenced mutation where the store does not own the session: behind
 /// a transaction pooler, or on a pool passed in. A session setting there is a neighbour's, or
@@ -500,6 +530,7 @@ pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (2, include_str!("../migrations/0002_pagination_index.sql")),
     (3, include_str!("../migrations/0003_kv_fillfactor.sql")),
     (4, include_str!("../migrations/0004_kv_key_collation.sql")),
+    (5, include_str!("../migrations/0005_crash_marker.sql")),
 ];
 
 /// One statement of a store: its SQL, with the table names substituted, and the types of its
@@ -523,6 +554,7 @@ pub(crate) struct Statements {
     pub(crate) release: Statement,
     pub(crate) change_owner: Statement,
     pub(crate) flush: Statement,
+    pub(crate) set_crash_marker: Statement,
     pub(crate) write: Statement,
     pub(crate) remove: Statement,
     pub(crate) batch: Statement,
@@ -553,6 +585,7 @@ impl Statements {
             release: s(RELEASE, RELEASE_TYPES),
             change_owner: s(CHANGE_OWNER, CHANGE_OWNER_TYPES),
             flush: s(FLUSH, FLUSH_TYPES),
+            set_crash_marker: s(SET_CRASH_MARKER, SET_CRASH_MARKER_TYPES),
             write: s(WRITE, WRITE_TYPES),
             remove: s(REMOVE, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
@@ -578,6 +611,7 @@ pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
         .replace("{kv}", &table.quoted(""))
         .replace("{lease}", &table.quoted("_lease"))
         .replace("{version}", &table.quoted("_schema_version"))
+        .replace("{crash_marker}", &table.quoted("_crash_marker"))
         .replace("{schema}", &format!("\"{schema}\""))
 }
 
@@ -653,6 +687,7 @@ mod tests {
             &s.release,
             &s.change_owner,
             &s.flush,
+            &s.set_crash_marker,
             &s.write,
             &s.remove,
             &s.batch,

@@ -316,7 +316,10 @@ fn a_killed_auditor_leaves_no_writer_behind() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
         let client = server().connect().await.expect("connect to the test server");
-        let drop = format!("DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\"");
+        let drop = format!(
+            "DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\", \
+             \"{table}_crash_marker\""
+        );
         client.batch_execute(&drop).await.expect("the audit's tables were left");
     });
     drop(runtime); // Closes the connection that dropped them.

@@ -2072,7 +2072,7 @@ fn run_example(name: &str, args: &[&str]) -> Ran {
 fn tables_named(prefix: &str) -> Vec<String> {
     let sql = format!(
         "SELECT relname::text FROM pg_class WHERE relkind = 'r' \
-         AND relname ~ '^{prefix}_[0-9a-f]{{16}}(_lease|_schema_version)?$'"
+         AND relname ~ '^{prefix}_[0-9a-f]{{16}}(_lease|_schema_version|_crash_marker)?$'"
     );
     query(&server().config(), &sql).iter().map(|row| row.get(0)).collect()
 }
@@ -2279,7 +2279,10 @@ fn the_failover_example_is_documented_and_stops_cleanly_on_sigterm() {
     assert_eq!(b.guard.wait_exit(GUARD).and_then(|s| s.code()), Some(0), "B exits 0 on Ctrl-C");
     query(
         &server().config(),
-        &format!("DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\""),
+        &format!(
+            "DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\", \
+             \"{table}_crash_marker\""
+        ),
     );
 }
 

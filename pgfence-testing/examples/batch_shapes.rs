@@ -146,7 +146,8 @@ async fn main() -> Result<(), BoxError> {
     }
     client
         .batch_execute(&format!(
-            "DROP TABLE \"{table}\", \"{table}_lease\", \"{table}_schema_version\""
+            "DROP TABLE \"{table}\", \"{table}_lease\", \
+             \"{table}_schema_version\", \"{table}_crash_marker\""
         ))
         .await?;
     Ok(())

@@ -412,7 +412,8 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
             let t = store_table(&table, key);
             admin
                 .batch_execute(&format!(
-                    "DROP TABLE IF EXISTS \"{t}\", \"{t}_lease\", \"{t}_schema_version\""
+                    "DROP TABLE IF EXISTS \"{t}\", \"{t}_lease\", \"{t}_schema_version\", \
+                     \"{t}_crash_marker\""
                 ))
                 .await?;
         }

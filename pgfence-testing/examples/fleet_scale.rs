@@ -276,7 +276,9 @@ async fn measure(
     for chunk in tables.chunks(100) {
         let drops: Vec<String> = chunk
             .iter()
-            .map(|t| format!("\"{t}\", \"{t}_lease\", \"{t}_schema_version\""))
+            .map(|t| {
+                format!("\"{t}\", \"{t}_lease\", \"{t}_schema_version\", \"{t}_crash_marker\"")
+            })
             .collect();
         admin.batch_execute(&format!("DROP TABLE IF EXISTS {}", drops.join(", "))).await?;
     }

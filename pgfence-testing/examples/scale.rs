@@ -256,8 +256,10 @@ async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Clie
 }
 
 async fn drop_tables(admin: &tokio_postgres::Client, table: &str) -> Result<(), BoxError> {
-    let sql =
-        format!("DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \"{table}_schema_version\"");
+    let sql = format!(
+        "DROP TABLE IF EXISTS \"{table}\", \"{table}_lease\", \
+         \"{table}_schema_version\", \"{table}_crash_marker\""
+    );
     admin.batch_execute(&sql).await?;
     Ok(())
 }

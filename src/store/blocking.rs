@@ -190,7 +190,8 @@ impl PgKvStore {
     }
 
     /// Returns once every deferred mutation of this store that returned `Ok` before this call
-    /// is durable, as [`crate::PgKvStore::flush`] (which has the details).
+    /// is durable, as [`crate::PgKvStore::flush`] (which has the details). After a server crash
+    /// since they returned, it fails with [`Error::DeferredWritesLost`] instead.
     pub fn flush(&self) -> Result<()> {
         self.io.block_on(self.store.flush())
     }

@@ -57,7 +57,9 @@ use crate::write::{Durability, Mutation, Writes};
 /// - **Deferred writes, when asked for.** `write_deferred`, `remove_deferred` and
 ///   [`Batch::commit_deferred`] return once committed, before the WAL flush. A server crash may
 ///   lose them until the next durable commit or [`PgKvStore::flush`]. What survives a crash
-///   is always a prefix of the commits: never a later one without an earlier one.
+///   is always a prefix of the commits: never a later one without an earlier one. A flush, or
+///   a durable call made with deferred calls pending, reports such a loss
+///   ([`Error::DeferredWritesLost`]) instead of returning `Ok`.
 /// - **Per-key order.** Calls to `write`/`remove` of the same key take effect in the order the
 ///   methods were *called*. The order their futures are polled or complete in does not matter.
 ///   A later call's value is never overwritten by an earlier one.
@@ -259,6 +261,9 @@ impl PgKvStore {
     /// - It is durable once a later durable commit of the server is: a `write`, `remove` or
     ///   `commit` of this store, or [`PgKvStore::flush`]. Usually sooner: the server's WAL
     ///   writer flushes it within about three times `wal_writer_delay` (200 ms by default).
+    /// - A crash is never hidden. The next `flush`, or durable call of this store, that would
+    ///   vouch for it returns [`Error::DeferredWritesLost`] if the server crashed or failed over
+    ///   since. So does this call, if that loss was found while it was in flight.
     /// - A standby under synchronous replication may not have it before that either. A
     ///   failover to it loses it then.
     pub fn write_deferred(
@@ -307,25 +312,32 @@ impl PgKvStore {
     ///
     /// It commits one durable transaction after them: a no-op update of the lease row by this
     /// store's owner id (`FLUSH` in src/sql.rs). Its commit record follows theirs in the WAL,
-    /// and flushing it flushes them. It needs no grant beyond the store's own. It writes a
-    /// little WAL even when nothing is deferred.
+    /// and flushing it flushes them. It writes a little WAL even when nothing is deferred.
     ///
+    /// - In the same transaction it checks the crash marker, an UNLOGGED table that every
+    ///   crash recovery empties. If the server crashed, crash-reinitialized or failed over
+    ///   since deferred calls returned `Ok` unflushed, it returns
+    ///   [`Error::DeferredWritesLost`]: they may be lost. Read those keys back and write again
+    ///   what must be there. The report resets the marker: deferred calls after it are covered
+    ///   again, and the next flush vouches for them.
     /// - It is an operation like a write: it fails closed once the lease is lost, with
     ///   [`Error::Closed`] once `close()` has begun, and `close()` waits for it.
     /// - If the lease row is no longer this store's, it returns [`Error::LeaseLost`] and the
     ///   store fails closed. Deferred writes not yet flushed may then be lost: a successor's
     ///   takeover commit usually flushed them, but nothing vouches for that.
-    /// - A broken connection is retried, as for any statement. An error means that durability
-    ///   was not confirmed, not that anything was lost.
-    /// - It vouches for the server it reaches. If the server crashed or failed over after a
-    ///   deferred write and before the flush, that write may be lost, and the flush cannot see
-    ///   it. See docs/design.md, section "Deferred writes and flush".
+    /// - A broken connection is retried, as for any statement. An error other than
+    ///   `DeferredWritesLost` means that durability was not confirmed, not that anything was
+    ///   lost.
+    /// - A durable `write`, `remove` or `commit` called while deferred calls are pending flushes
+    ///   first, the same way, and fails with `DeferredWritesLost` too. With none pending it
+    ///   runs no flush. See docs/design.md, section "Deferred writes and flush".
     pub fn flush(&self) -> impl Future<Output = Result<()>> + Send + 'static + use<> {
-        let exec = Arc::clone(&self.exec);
+        let (exec, writes) = (Arc::clone(&self.exec), Arc::clone(&self.writes));
+        let since = writes.marker.since();
         let span = exec.span("flush", "", "", "");
         async move {
             let store = Arc::clone(&exec);
-            let work = async move { store.flush().await };
+            let work = async move { writes.flush(&store, since).await };
             admitted(&exec, Op::Flush, work.instrument(span)).await
         }
     }
@@ -348,6 +360,9 @@ impl PgKvStore {
                 Mutation::Remove => Ok(()),
             })
             .map(|()| writes.ticket(primary_namespace, secondary_namespace, key));
+        // Taken in the call, as the ticket is: a durable call covers the deferred calls that
+        // returned `Ok` before it was made.
+        let since = writes.marker.since();
         let span = exec.span(operation, primary_namespace, secondary_namespace, key);
         async move {
             let ticket = prepared?;
@@ -355,7 +370,7 @@ impl PgKvStore {
             let store = Arc::clone(&exec);
             let work = async move {
                 let _reserved = reserved;
-                writes.mutate(&store, ticket, mutation, durability).await
+                writes.mutate(&store, ticket, mutation, (durability, since)).await
             };
             if durability == Durability::Deferred {
                 exec.lease.stats.deferred();

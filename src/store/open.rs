@@ -301,6 +301,7 @@ async fn open_here(
             builder.write_concurrency,
             builder.max_value_size,
             builder.max_queued_bytes,
+            acquired.crash_token,
         )),
     })
 }

@@ -6,10 +6,11 @@ use std::sync::{Arc, Weak};
 
 use tracing::Instrument;
 
+use super::Writes;
 use super::budget::bytes_of;
+use super::marker::Since;
 use super::ordering::Ticket;
 use super::statement::{Durability, Mutation, apply_fenced};
-use super::{Writes, superseded_ok};
 use crate::error::{Error, Result};
 use crate::exec::{Executor, admitted};
 use crate::keys::{MAX_BATCH_BYTES, check_key};
@@ -173,17 +174,18 @@ impl Batch {
                         op,
                     })
                     .collect();
-                Ok((exec, entries, span))
+                // What the call saw of the crash marker, also now.
+                Ok((exec, entries, span, writes.marker.since()))
             }
         };
         async move {
-            let (exec, entries, span) = prepared?;
+            let (exec, entries, span, since) = prepared?;
             let bytes = entries.iter().map(|e| bytes_of(e.ticket.path(), &e.op)).sum();
             let reserved = writes.reserve(bytes).await;
             let store = Arc::clone(&exec);
             let work = async move {
                 let _reserved = reserved;
-                apply(&store, entries, durability).await
+                apply(&store, &writes, entries, (durability, since)).await
             };
             if durability == Durability::Deferred {
                 exec.lease.stats.deferred();
@@ -214,7 +216,14 @@ fn too_large_for(ops: &BTreeMap<(String, String, String), Mutation>, max: usize)
 }
 
 /// Takes the key turns, then runs the one fenced statement.
-async fn apply(exec: &Executor, entries: Vec<Entry>, durability: Durability) -> Result<()> {
+async fn apply(
+    exec: &Executor,
+    writes: &Writes,
+    entries: Vec<Entry>,
+    (durability, since): (Durability, Since),
+) -> Result<()> {
+    // Before any turn is taken: a flush need not hold up these keys.
+    writes.cover_before_durable(exec, durability, since).await?;
     // Turns are taken one key at a time in the map's sorted key order and held together until
     // the statement has finished. Single-key operations hold one turn at a time. Every batch
     // takes its turns in the same global order. So no two waiters can wait on each other in a
@@ -237,13 +246,16 @@ async fn apply(exec: &Executor, entries: Vec<Entry>, durability: Durability) -> 
         // Nothing to write, but an operation of a fenced store still fails. The batch's own
         // commit, had it run, would have made a deferred later call durable (it commits after
         // it): without one, a durable batch flushes.
-        return superseded_ok(exec, durability, by_deferred).await;
+        return writes.superseded_ok(exec, durability, by_deferred).await;
     }
     apply_fenced(exec, ops, durability).await?;
+    let deferred = durability == Durability::Deferred;
+    // Counted before the turns are recorded, as a single mutation is ([`Writes::mutate`]).
+    let counted = if deferred { writes.marker.deferred_committed(since) } else { Ok(()) };
     for turn in turns {
-        turn.applied(durability == Durability::Deferred);
+        turn.applied(deferred);
     }
-    Ok(())
+    counted
 }
 
 #[cfg(test)]

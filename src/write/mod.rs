@@ -12,6 +12,7 @@
 pub(crate) mod batch;
 pub(crate) mod budget;
 pub(crate) mod coalesce;
+pub(crate) mod marker;
 pub(crate) mod ordering;
 pub(crate) mod statement;
 
@@ -21,15 +22,18 @@ use crate::error::{Error, KeyPath, Result};
 use crate::exec::Executor;
 use budget::{Budget, Reservation};
 use coalesce::Coalescer;
+use marker::{Marker, Since};
 use ordering::{KeyOrder, Ticket};
 pub(crate) use statement::{Durability, Mutation};
 
-/// The write path's state, shared by every handle of a store: the per-key order and the queue
-/// of mutations waiting to share a statement.
+/// The write path's state, shared by every handle of a store: the per-key order, the queue
+/// of mutations waiting to share a statement, and what the last flush vouched for.
 #[derive(Debug)]
 pub(crate) struct Writes {
     order: Arc<KeyOrder>,
     coalescer: Coalescer,
+    /// The crash marker's state: which deferred calls a flush still has to vouch for.
+    pub(crate) marker: Marker,
     max_value_size: usize,
     /// The bound on bytes of mutations in flight ([`budget`]).
     budget: Budget,
@@ -40,10 +44,12 @@ impl Writes {
         write_concurrency: usize,
         max_value_size: usize,
         max_queued_bytes: usize,
+        crash_token: uuid::Uuid,
     ) -> Writes {
         Writes {
             order: Arc::new(KeyOrder::default()),
             coalescer: Coalescer::new(write_concurrency),
+            marker: Marker::new(crash_token),
             max_value_size,
             budget: Budget::new(max_queued_bytes),
         }
@@ -78,18 +84,19 @@ impl Writes {
         Ok(())
     }
 
-    /// Runs one fenced mutation in its key's turn (see [`coalesce`]).
+    /// Runs one fenced mutation in its key's turn (see [`coalesce`]). `since` is what the
+    /// call saw of the crash marker ([`Marker::since`]).
     pub(crate) async fn mutate(
         &self,
         exec: &Executor,
         ticket: Ticket,
         mutation: Mutation,
-        durability: Durability,
+        (durability, since): (Durability, Since),
     ) -> Result<()> {
         // Boxed: a write's future and the store's task for it hold a pointer, not this state.
         // The compiler lays out a future moved into another one more than once. And 100,000
         // queued writes hold one each (see BENCHMARKS.md, "Memory of queued writes").
-        Box::pin(self.mutate_in_turn(exec, ticket, mutation, durability)).await
+        Box::pin(self.mutate_in_turn(exec, ticket, mutation, (durability, since))).await
     }
 
     async fn mutate_in_turn(
@@ -97,32 +104,62 @@ impl Writes {
         exec: &Executor,
         ticket: Ticket,
         mutation: Mutation,
-        durability: Durability,
+        (durability, since): (Durability, Since),
     ) -> Result<()> {
+        self.cover_before_durable(exec, durability, since).await?;
         let turn = match ticket.turn().await {
             Ok(turn) => turn,
             // A later call to this key is already committed: nothing to write. But a store
             // that has lost its lease still fails, as every key operation (and an all-superseded
             // batch) does: `Ok` would vouch for a key a successor may have overwritten since.
-            Err(superseded) => return superseded_ok(exec, durability, superseded.deferred).await,
+            Err(superseded) => {
+                return self.superseded_ok(exec, durability, superseded.deferred).await;
+            }
         };
         self.coalescer.apply(exec, ticket.path(), mutation, durability).await?;
-        turn.applied(durability == Durability::Deferred);
+        let deferred = durability == Durability::Deferred;
+        // Counted before the turn is recorded, so that a durable call this one supersedes
+        // finds it pending ([`Writes::superseded_ok`]).
+        let counted = if deferred { self.marker.deferred_committed(since) } else { Ok(()) };
+        turn.applied(deferred);
+        counted
+    }
+
+    /// Before a durable call's statement: if deferred calls had returned `Ok` unflushed when
+    /// it was made, a flush vouches for them first ([`Marker::cover`]). Its `Ok` promises
+    /// them durable too, and only the flush can tell that the server did not lose them in a
+    /// crash since. Nothing pending, nothing done: a store that never defers pays nothing.
+    pub(crate) async fn cover_before_durable(
+        &self,
+        exec: &Executor,
+        durability: Durability,
+        since: Since,
+    ) -> Result<()> {
+        if durability == Durability::Durable && since.pending() {
+            return self.marker.cover(exec, since, false).await;
+        }
         Ok(())
     }
-}
 
-/// The result of a mutation (or a batch) that has nothing left to write: every key of it was
-/// superseded by a later call. A store that has lost its lease fails. A durable one superseded
-/// by a deferred one flushes first: its `Ok` promises a durable value, and the later call's
-/// commit may not be on disk yet.
-pub(crate) async fn superseded_ok(
-    exec: &Executor,
-    durability: Durability,
-    by_deferred: bool,
-) -> Result<()> {
-    if durability == Durability::Durable && by_deferred {
-        return exec.flush().await;
+    /// The result of a mutation (or a batch) that has nothing left to write: every key of it
+    /// was superseded by a later call. A store that has lost its lease fails. A durable one
+    /// superseded by a deferred one flushes first: its `Ok` promises a durable value, and the
+    /// later call's commit may not be on disk yet.
+    pub(crate) async fn superseded_ok(
+        &self,
+        exec: &Executor,
+        durability: Durability,
+        by_deferred: bool,
+    ) -> Result<()> {
+        if durability == Durability::Durable && by_deferred {
+            return self.marker.cover(exec, self.marker.since(), true).await;
+        }
+        exec.lease.check()
     }
-    exec.lease.check()
+
+    /// `flush()`: vouches for every deferred call counted at `since`, taken when it was
+    /// called. It always runs the flush statement, which also checks the lease.
+    pub(crate) async fn flush(&self, exec: &Executor, since: Since) -> Result<()> {
+        self.marker.cover(exec, since, true).await
+    }
 }

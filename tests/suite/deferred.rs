@@ -142,7 +142,9 @@ async fn check_deferred_stays_in_its_transaction(store: &PgKvStore, t: &str, dur
     for c in &commits {
         assert_eq!(c.isolation, "read committed", "{c:?}");
     }
-    assert_eq!(flushes(t).await, [durable], "one flush, committed durably");
+    // One before each durable call made with deferred ones pending (b, e, c, f), and the
+    // flush() itself. Not before i: the flush() had vouched for everything.
+    assert_eq!(flushes(t).await, [durable; 5], "the flushes, committed durably");
     assert_eq!(store.read(p, s, "h").await.unwrap(), b"7");
 }
 
@@ -242,7 +244,8 @@ fn blocking_store_defers_and_flushes() {
     let expected: Vec<(String, String)> =
         expected.iter().map(|(k, s)| ((*k).to_owned(), (*s).to_owned())).collect();
     assert_eq!(seen, expected);
-    assert_eq!(runtime.block_on(flushes(&t)), ["on"]);
+    // Before the durable write of l (k pending), and the flush() itself.
+    assert_eq!(runtime.block_on(flushes(&t)), ["on", "on"]);
     store.close().unwrap();
     assert!(matches!(store.flush(), Err(Error::Closed)));
 }
@@ -411,7 +414,9 @@ fn flush_of(table: &str) -> GateMatch {
 async fn flush_racing_the_stores_own_id_change_is_no_loss() {
     let (t, proxy, store) = proxied_store("defrace", |b| b).await;
     record_commits(&t).await;
-    store.write_deferred("r", "s", "d", b"deferred".to_vec()).await.unwrap();
+    // No deferred write first: the durable write below would then wait for the held flush to
+    // vouch for it (`durable_calls_flush_only_with_deferred_calls_pending`). A flush runs its
+    // statement all the same.
     let owner = store.owner_id();
     let flush_gate: Gate = proxy.gate(flush_of(&t), Hold::Statement);
     let flushing = tokio::spawn(store.flush());
@@ -625,4 +630,154 @@ async fn a_crash_loses_at_most_the_deferred_writes_since_the_last_flush() {
          deferred writes lost; survived {survived:?}, acknowledged {:?}, vouched for {:?}",
         h.deferred_acked, h.durable_acked, h.flushes, h.acked, h.durable
     );
+}
+
+/// A durable call with no deferred call pending runs no flush: a store that never defers pays
+/// nothing for the crash marker. A durable call made with deferred calls pending flushes first,
+/// once. Durable calls made together after one deferred call share one flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_calls_flush_only_with_deferred_calls_pending() {
+    let t = table("defcost");
+    let store = common::open(&t).await;
+    record_commits(&t).await;
+    let (p, s) = ("c", "s");
+    store.write(p, s, "a", b"1".to_vec()).await.unwrap();
+    store.remove(p, s, "a", false).await.unwrap();
+    store.batch().put(p, s, "b", b"2".to_vec()).commit().await.unwrap();
+    assert!(flushes(&t).await.is_empty(), "no deferred call, no flush");
+
+    store.write_deferred(p, s, "d", b"3".to_vec()).await.unwrap();
+    store.write(p, s, "e", b"4".to_vec()).await.unwrap();
+    assert_eq!(flushes(&t).await, ["on"], "one flush before the durable write");
+    store.write(p, s, "f", b"5".to_vec()).await.unwrap();
+    store.batch().remove(p, s, "f").commit().await.unwrap();
+    assert_eq!(flushes(&t).await, ["on"], "nothing pending any more");
+
+    store.remove_deferred(p, s, "d").await.unwrap();
+    let durable: Vec<_> =
+        (0..8).map(|i| tokio::spawn(store.write(p, s, &format!("g{i}"), vec![i]))).collect();
+    for call in durable {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(flushes(&t).await, ["on", "on"], "eight durable calls shared one flush");
+    store.close().await.unwrap();
+}
+
+/// A table created at schema version 4, before the crash marker, gets it from the next store
+/// that takes the lease: migration 5 creates it UNLOGGED, and deferred writes and flushes
+/// work on the migrated table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_of_version_4_is_migrated_to_have_its_crash_marker() {
+    let t = table("defmigrate");
+    common::open(&t).await.close().await.unwrap();
+    let db = admin().await;
+    db.batch_execute(&format!(
+        "DROP TABLE \"{t}_crash_marker\"; DELETE FROM \"{t}_schema_version\" WHERE version = 5"
+    ))
+    .await
+    .unwrap();
+    let store = common::open(&t).await;
+    let version = format!("SELECT max(version) FROM \"{t}_schema_version\"");
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 5);
+    let persistence: i8 = db
+        .query_one(
+            "SELECT relpersistence FROM pg_class WHERE relname = $1",
+            &[&format!("{t}_crash_marker")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(persistence as u8, b'u', "an UNLOGGED table");
+    let tokens = format!("SELECT count(*) FROM \"{t}_crash_marker\"");
+    assert_eq!(db.query_one(&tokens, &[]).await.unwrap().get::<_, i64>(0), 1, "the token");
+    store.write_deferred("m", "s", "k", b"v".to_vec()).await.unwrap();
+    store.flush().await.unwrap();
+    store.write("m", "s", "l", b"w".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+}
+
+/// Kills one backend of `cluster` with SIGKILL. The postmaster then ends every session and
+/// reinitializes, with crash recovery, as after any backend crash. Returns once the server
+/// accepts connections again.
+async fn crash_a_backend(cluster: &TestCluster) {
+    let victim = cluster.connect().await.unwrap();
+    let pid: i32 = victim.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    assert!(killed.unwrap().success(), "kill -9 {pid}");
+    within("the server reinitializes", async {
+        // The victim's own connection breaks; a new one works once recovery is done.
+        while victim.query_one("SELECT 1", &[]).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        loop {
+            if let Ok(client) = cluster.connect().await {
+                if client.query_one("SELECT 1", &[]).await.is_ok() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// The crash marker in action. Deferred writes return `Ok`, the server crashes (an immediate
+/// stop) and starts again. A durable write called then, with those deferred writes pending,
+/// fails with `DeferredWritesLost` instead of vouching for them, and writes nothing. The
+/// flush after it is `Ok`: the loss was reported, and nothing deferred is pending. Deferred
+/// writes after that are covered again: after a backend crash (`kill -9`, and the postmaster
+/// reinitializes) `flush()` reports them lost, and the next flush and durable write are `Ok`.
+/// The lease stays held throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_deferred_writes_fails_the_next_flush_or_durable_write() {
+    let cluster = Arc::new(TestCluster::start().expect("private cluster"));
+    let admin = cluster.connect().await.unwrap();
+    admin.batch_execute("ALTER SYSTEM SET wal_writer_delay = '10s'").await.unwrap();
+    admin.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    drop(admin);
+    let t = table("defmarker");
+    let store = PgKvStore::builder_from_config(cluster.config())
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(60))
+        .connect_timeout(Duration::from_secs(2))
+        .open()
+        .await
+        .unwrap();
+    let (p, s) = ("m", "s");
+    store.write_deferred(p, s, "a", b"1".to_vec()).await.unwrap();
+    store.flush().await.unwrap();
+    store.write_deferred(p, s, "b", b"2".to_vec()).await.unwrap();
+    store.write_deferred(p, s, "c", b"3".to_vec()).await.unwrap();
+
+    let crashing = Arc::clone(&cluster);
+    tokio::task::spawn_blocking(move || crashing.crash().and_then(|()| crashing.start_again()))
+        .await
+        .unwrap()
+        .expect("crash and start again");
+    let durable = within("a durable write", store.write(p, s, "d", b"4".to_vec())).await;
+    assert!(
+        matches!(durable, Err(Error::DeferredWritesLost { writes: 2 })),
+        "the two deferred writes since the flush: {durable:?}"
+    );
+    let admin = cluster.connect().await.unwrap();
+    let d = format!("SELECT count(*) FROM \"{t}\" WHERE key = 'd'");
+    assert_eq!(admin.query_one(&d, &[]).await.unwrap().get::<_, i64>(0), 0, "d did not run");
+    within("a flush", store.flush()).await.expect("the loss was reported: nothing pending");
+    store.write(p, s, "d", b"4".to_vec()).await.unwrap();
+    assert_eq!(store.read(p, s, "a").await.unwrap(), b"1", "a was flushed before the crash");
+
+    // Covered again: a deferred write after the report, then a backend crash.
+    store.write_deferred(p, s, "e", b"5".to_vec()).await.unwrap();
+    crash_a_backend(&cluster).await;
+    let flushed = within("a flush", store.flush()).await;
+    assert!(matches!(flushed, Err(Error::DeferredWritesLost { writes: 1 })), "{flushed:?}");
+    assert!(flushed.unwrap_err().is_deferred_writes_lost());
+    within("a flush", store.flush()).await.expect("a new token: the next flush vouches again");
+    store.write_deferred(p, s, "f", b"6".to_vec()).await.unwrap();
+    within("a durable write", store.write(p, s, "g", b"7".to_vec())).await.unwrap();
+    store.flush().await.unwrap();
+    assert!(matches!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 }));
+    assert_eq!(store.read(p, s, "f").await.unwrap(), b"6");
+    store.close().await.unwrap();
 }

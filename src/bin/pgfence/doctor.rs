@@ -317,7 +317,7 @@ async fn doctor_checks(builder: Builder, target: &Target, read_only: bool) -> Ve
         Err(e) => Err(e),
     };
     checks.push(pooler_check(target, server_end, session));
-    let [has_kv, has_lease, has_version] = tables.map(|t| t.is_some_and(|t| t.exists));
+    let [has_kv, has_lease, has_version, _] = tables.map(|t| t.is_some_and(|t| t.exists));
     if !(has_kv && has_lease) {
         let detail = match tables[0] {
             None => format!("{} cannot look for table {} (see privileges)", role, target.table),
@@ -396,10 +396,10 @@ async fn privileges_check(
     client: &tokio_postgres::Client,
     table: &str,
     usage: Use,
-) -> (Privileges, [Option<TableFacts>; 3]) {
+) -> (Privileges, [Option<TableFacts>; TABLES.len()]) {
     const NAME: &str = "privileges";
     let given = table.split_once('.').map(|(schema, _)| schema.to_owned());
-    let unknown = [None; 3];
+    let unknown = [None; TABLES.len()];
     let facts = match client.query_typed_one(SCHEMA_FACTS, &[(&given, Type::TEXT)]).await {
         Ok(row) => row,
         Err(e) => {

@@ -344,10 +344,11 @@ async fn drop_tables(target: &Target) -> Result<(), String> {
         crate::target::ConnectError::Other(exit) => exit.message,
     })?;
     let sql = format!(
-        "DROP TABLE IF EXISTS {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}",
         quote_table(&target.table, ""),
         quote_table(&target.table, "_lease"),
-        quote_table(&target.table, "_schema_version")
+        quote_table(&target.table, "_schema_version"),
+        quote_table(&target.table, "_crash_marker")
     );
     client.batch_execute(&sql).await.map_err(|e| chain(&e))
 }
