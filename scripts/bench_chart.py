@@ -14,18 +14,9 @@ import math
 import statistics
 import sys
 
-ORDER = [
-    "unfenced",
-    "fenced",
-    "fenced-wc8",
-    "deferred",
-    "deferred+flush",
-    "solo",
-    "pinned",
-    "naive",
-    "ldk-node",
-    "coalesced",
-]
+# The variants in the order bench_markdown.py (beside this file) lists them.
+from bench_markdown import ORDER
+
 COLORS = {
     "unfenced": "#4c72b0",
     "fenced": "#55a868",
