@@ -313,6 +313,8 @@ impl PgKvStore {
     /// It commits one durable transaction after them: a no-op update of the lease row by this
     /// store's owner id (`FLUSH` in src/sql.rs). Its commit record follows theirs in the WAL,
     /// and flushing it flushes them. It writes a little WAL even when nothing is deferred.
+    /// Flushes run one at a time; calls made while one runs share the next: a flush that began
+    /// after this call, and found the marker kept, vouches for it.
     ///
     /// - In the same transaction it checks the crash marker, an UNLOGGED table that every
     ///   crash recovery empties. If the server crashed, crash-reinitialized or failed over

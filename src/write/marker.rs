@@ -39,6 +39,10 @@ struct State {
     /// The last generation that ended, and its `flushed` then: a durable call of that
     /// generation with no more `oks` than that was covered before the loss.
     ended: Option<(u64, u64)>,
+    /// Flush statements begun, of every generation: each one's number.
+    begun: u64,
+    /// The number of the last flush that found the token kept.
+    kept_by: u64,
 }
 
 /// What a call saw of the marker when it was made.
@@ -49,6 +53,8 @@ pub(crate) struct Since {
     oks: u64,
     /// Whether some of them were not flushed yet.
     pending: bool,
+    /// The flushes begun by then: a flush numbered higher began after the call.
+    begun: u64,
 }
 
 impl Since {
@@ -71,7 +77,8 @@ pub(crate) struct Marker {
 impl Marker {
     /// The state after the setup wrote `token`.
     pub(crate) fn new(token: Uuid) -> Marker {
-        let state = State { generation: 0, token, oks: 0, flushed: 0, ended: None };
+        let state =
+            State { generation: 0, token, oks: 0, flushed: 0, ended: None, begun: 0, kept_by: 0 };
         Marker { state: Mutex::new(state), flushing: tokio::sync::Mutex::new(()) }
     }
 
@@ -83,7 +90,7 @@ impl Marker {
     /// Taken when a mutation or a flush is called, synchronously, before anything is sent.
     pub(crate) fn since(&self) -> Since {
         let s = self.state();
-        Since { generation: s.generation, oks: s.oks, pending: s.oks > s.flushed }
+        Since { generation: s.generation, oks: s.oks, pending: s.oks > s.flushed, begun: s.begun }
     }
 
     /// A deferred call taken at `since` committed. It counts as pending for the next flush.
@@ -100,13 +107,15 @@ impl Marker {
 
     /// Makes durable every deferred call counted at `since`, or fails if one may be lost.
     ///
-    /// `always`: run the flush statement even if a flush that began after `since` vouched
-    /// for them already (`flush()` does: it also checks the lease). A durable call does not:
-    /// many of them after one deferred call share one flush.
+    /// `always`: run the flush statement even if an earlier flush vouched for them already,
+    /// unless that one began after `since` (`flush()` does: the statement also checks the
+    /// lease, and one that began after the call checked it after the call too). So concurrent
+    /// `flush()` calls share one statement, each waiting for at most the one under way and the
+    /// next. A durable call does not: many of them after one deferred call share one flush.
     pub(crate) async fn cover(&self, exec: &Executor, since: Since, always: bool) -> Result<()> {
         let _flushing = self.flushing.lock().await;
-        let (token, begun) = {
-            let s = self.state();
+        let (token, begun, number) = {
+            let mut s = self.state();
             if s.generation != since.generation {
                 // A flush found a loss since the call. Were its deferred calls flushed before?
                 match s.ended {
@@ -121,10 +130,11 @@ impl Marker {
                 if !always {
                     return Ok(());
                 }
-            } else if s.flushed >= since.oks && !always {
+            } else if s.flushed >= since.oks && (!always || s.kept_by > since.begun) {
                 return Ok(());
             }
-            (s.token, s.oks)
+            s.begun += 1;
+            (s.token, s.oks, s.begun)
         };
         let next = Uuid::new_v4();
         let kept = exec.flush(token, next).await?;
@@ -132,6 +142,7 @@ impl Marker {
         if kept {
             // Every deferred call counted when the flush began had committed before it.
             s.flushed = s.flushed.max(begun);
+            s.kept_by = number;
             return Ok(());
         }
         // The flush wrote `next`, and committed. Deferred calls counted from now on are of the
@@ -144,7 +155,8 @@ impl Marker {
              deferred writes since the last flush may be lost"
         );
         let ended = Some((s.generation, s.flushed));
-        *s = State { generation: s.generation + 1, token: next, oks: 0, flushed: 0, ended };
+        let (generation, begun) = (s.generation + 1, s.begun);
+        *s = State { generation, token: next, oks: 0, flushed: 0, ended, begun, kept_by: 0 };
         match lost {
             0 => Ok(()),
             writes => Err(Error::DeferredWritesLost { writes }),

@@ -660,6 +660,17 @@ async fn durable_calls_flush_only_with_deferred_calls_pending() {
         call.await.unwrap().unwrap();
     }
     assert_eq!(flushes(&t).await, ["on", "on"], "eight durable calls shared one flush");
+
+    // flush() always runs a statement of its own, unless one that began after the call
+    // vouched for it. Eight called at once, before any began: one statement for all.
+    store.write_deferred(p, s, "h", b"6".to_vec()).await.unwrap();
+    let called: Vec<_> = (0..8).map(|_| store.flush()).collect();
+    for flush in called.into_iter().map(tokio::spawn) {
+        flush.await.unwrap().unwrap();
+    }
+    assert_eq!(flushes(&t).await, ["on"; 3], "eight flush() calls shared one statement");
+    store.flush().await.unwrap();
+    assert_eq!(flushes(&t).await, ["on"; 4], "a flush called after them runs its own");
     store.close().await.unwrap();
 }
 
