@@ -1,7 +1,8 @@
 //! Every SQL statement pgfence runs, in one place, readable and pasteable into `psql`.
 //!
 //! `{kv}`, `{lease}` and `{version}` stand for the quoted names of the KV table, the lease
-//! table and the schema-version table; [`Statements::new`] substitutes them once per store.
+//! table and the schema-version table, `{write_fn}` and `{remove_fn}` for those of the fenced
+//! functions (migration 5); [`Statements::new`] substitutes them once per store.
 //! Table names are validated to `[A-Za-z_][A-Za-z0-9_]*` before they get here, so the
 //! substitution can never escape the quotes. Every value is a bind parameter.
 //!
@@ -308,6 +309,28 @@ WITH lease AS (
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
 
+/// [`WRITE`] as one call of the table's function (migration 5), for a store that does not own
+/// its server sessions: behind a transaction pooler, or on a pool passed in. Unnamed there, a
+/// plain [`WRITE`] is parsed and planned on every execution. The function's statements are
+/// planned once per server session instead, across the clients a pooler hands it to.
+///
+/// One statement, no `BEGIN` or `COMMIT`: its implicit transaction commits when it ends. The
+/// function pins what [`BEGIN_READ_COMMITTED`] pins. It sets `synchronous_commit` for the
+/// transaction, from its last argument: `'on'` keeps a session's `remote_apply` as
+/// [`BEGIN_READ_COMMITTED`] does; `'off'` would commit asynchronously. It cannot set the
+/// isolation level of the transaction it runs in. So it fails with [`NOT_READ_COMMITTED`] at
+/// any other level, before it changes anything, and the store runs [`WRITE`] in
+/// [`BEGIN_READ_COMMITTED`] instead. Otherwise it returns what [`WRITE`] returns.
+pub(crate) const WRITE_CALL: &str = "SELECT {write_fn}($1, $2, $3, $4, $5, 'on')";
+
+/// [`REMOVE`] as one call of the table's function: see [`WRITE_CALL`].
+pub(crate) const REMOVE_CALL: &str = "SELECT {remove_fn}($1, $2, $3, $4, 'on')";
+
+/// The SQLSTATE of the functions of [`WRITE_CALL`] and [`REMOVE_CALL`] in a transaction that
+/// is not at read committed (class `PF`, which PostgreSQL does not use). They raise it before
+/// they change anything.
+pub(crate) const NOT_READ_COMMITTED: &str = "PF001";
+
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
 /// removes, as parallel arrays; `unnest` zips them into rows.
@@ -444,6 +467,7 @@ pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (2, include_str!("../migrations/0002_pagination_index.sql")),
     (3, include_str!("../migrations/0003_kv_fillfactor.sql")),
     (4, include_str!("../migrations/0004_kv_key_collation.sql")),
+    (5, include_str!("../migrations/0005_fenced_functions.sql")),
 ];
 
 /// One statement of a store: its SQL, with the table names substituted, and the types of its
@@ -468,6 +492,8 @@ pub(crate) struct Statements {
     pub(crate) change_owner: Statement,
     pub(crate) write: Statement,
     pub(crate) remove: Statement,
+    pub(crate) write_call: Statement,
+    pub(crate) remove_call: Statement,
     pub(crate) batch: Statement,
     pub(crate) batch_put: Statement,
     pub(crate) read: Statement,
@@ -493,6 +519,8 @@ impl Statements {
             change_owner: s(CHANGE_OWNER, CHANGE_OWNER_TYPES),
             write: s(WRITE, WRITE_TYPES),
             remove: s(REMOVE, REMOVE_TYPES),
+            write_call: s(WRITE_CALL, WRITE_TYPES),
+            remove_call: s(REMOVE_CALL, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
             batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
             read: s(READ, READ_TYPES),
@@ -512,6 +540,8 @@ pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
         .replace("{kv}", &table.quoted(""))
         .replace("{lease}", &table.quoted("_lease"))
         .replace("{version}", &table.quoted("_schema_version"))
+        .replace("{write_fn}", &table.quoted("_fenced_write"))
+        .replace("{remove_fn}", &table.quoted("_fenced_remove"))
         .replace("{schema}", &format!("\"{schema}\""))
 }
 
@@ -587,6 +617,8 @@ mod tests {
             &s.release,
             &s.write,
             &s.remove,
+            &s.write_call,
+            &s.remove_call,
             &s.batch,
             &s.batch_put,
             &s.read,
