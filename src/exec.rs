@@ -6,7 +6,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
@@ -16,7 +16,7 @@ use tokio_postgres::types::ToSql;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
-use crate::sql::{Statement, Statements};
+use crate::sql::{self, Statement, Statements};
 use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
@@ -45,7 +45,18 @@ pub(crate) struct Executor {
     /// Set while [`Executor::fence_own`] changes the owner id (under `fencing`): mutations wait
     /// for it before they send anything. A flag, so that the write path takes no lock.
     pub(crate) fence_under_way: AtomicBool,
+    /// How many more mutations run in the pipeline of [`sql::BEGIN_READ_COMMITTED`] without
+    /// trying their function first ([`Executor::unowned_session`]). Set after a function found
+    /// its transaction at another isolation level than read committed.
+    pub(crate) skip_functions: AtomicU32,
 }
+
+/// How many mutations skip their function after one found another isolation level than read
+/// committed. A pool passed in whose sessions all default to serializable then costs a second
+/// round trip once in this many writes, not on every write. Behind a transaction pooler, a
+/// neighbour's `SET` on one server session makes at most this many writes take the pipeline.
+/// Both ways are correct; this only picks the cheaper one.
+const SKIP_FUNCTIONS_AFTER_FALLBACK: u32 = 64;
 
 impl Executor {
     /// What the caller of a mutation gets if the task running it is dropped unfinished, when
@@ -98,13 +109,17 @@ impl Executor {
     /// Runs a fenced mutation statement (one that returns whether the lease was held) while
     /// the caller holds the turns of every key it changes. `Ok` means committed. The owner id
     /// is its first parameter, which this adds in front of `params`.
+    ///
+    /// `call` is the same mutation as one call of its function, with the same parameters
+    /// ([`sql::WRITE_CALL`]). Where the store does not own its sessions, it runs that instead
+    /// (see [`Executor::unowned_session`]).
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
-        sql: &Statement,
+        (sql, call): (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
-        self.run(operation, sql, params, true).await.map(drop)
+        self.run(operation, (sql, call), params, true).await.map(drop)
     }
 
     /// Runs a read-only statement and returns its rows.
@@ -115,7 +130,7 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
-        self.run(operation, sql, params, false).await
+        self.run(operation, (sql, None), params, false).await
     }
 
     /// Counts an operation of kind `op` that started at `started` and ended with `result`. A
@@ -182,7 +197,7 @@ impl Executor {
     async fn run(
         &self,
         operation: &'static str,
-        sql: &Statement,
+        sql: (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
     ) -> Result<Vec<Row>> {
@@ -208,7 +223,7 @@ impl Executor {
     async fn attempts<'a>(
         &'a self,
         operation: &'static str,
-        sql: &Statement,
+        (sql, call): (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
         mutation: bool,
         unresolved: &mut Option<OutcomePending<'a>>,
@@ -239,11 +254,10 @@ impl Executor {
                     client.answered();
                 };
                 let statements = async {
-                    let statement = self
-                        .pool
-                        .mode()
-                        .prepare_cached(&client, sql)
-                        .await
+                    let unowned = mutation && !self.pool.own_sessions();
+                    let call = call.filter(|_| unowned && self.tries_functions());
+                    let mode = self.pool.mode();
+                    let statement = (mode.prepare_cached(&client, call.unwrap_or(sql)).await)
                         .map_err(Error::db(operation))?;
                     // Read after every wait, so a fence that began meanwhile is over and its
                     // id is the one sent. Only a fence that begins from here on still finds
@@ -256,12 +270,15 @@ impl Executor {
                         pending = Some(OutcomePending { lease: &self.lease });
                     }
                     all.extend_from_slice(params);
-                    let rows = if mutation && !self.pool.own_sessions() {
-                        statement.query_read_committed(&client, &all).await
-                    } else {
-                        statement.query(&client, &all).await
-                    };
-                    rows.map_err(Error::db(operation))
+                    match (unowned, call) {
+                        (true, Some(_)) => {
+                            let called = statement.query(&client, &all).await;
+                            self.unowned_session(&client, sql, called, &all).await
+                        }
+                        (true, None) => statement.query_read_committed(&client, &all).await,
+                        (false, _) => statement.query(&client, &all).await,
+                    }
+                    .map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -331,6 +348,44 @@ impl Executor {
                 }
                 result => return result,
             }
+        }
+    }
+
+    /// Whether a mutation on a session the store does not own calls its function first
+    /// ([`Executor::unowned_session`]).
+    fn tries_functions(&self) -> bool {
+        let skip = |left: u32| left.checked_sub(1);
+        self.skip_functions.fetch_update(Ordering::Relaxed, Ordering::Relaxed, skip).is_err()
+    }
+
+    /// The answer to a mutation's function (`called`) on a session the store does not own:
+    /// behind a transaction pooler, or on a pool passed in.
+    ///
+    /// The function runs at the level of its implicit transaction, which the session's
+    /// `default_transaction_isolation` sets. It is not the store's to set there: a pooler's
+    /// other client, or the application, may have asked for serializable. Only read committed
+    /// keeps a fenced mutation from failing with a serialization error after a renewal (see
+    /// [`sql::WRITE`]). So at any other level the function changes nothing and raises
+    /// [`sql::NOT_READ_COMMITTED`]. The mutation then runs as today's statement `sql`, in a
+    /// pipelined `BEGIN ISOLATION LEVEL READ COMMITTED` ... `COMMIT` on the same connection:
+    /// one round trip more. The next [`SKIP_FUNCTIONS_AFTER_FALLBACK`] mutations go there
+    /// directly.
+    async fn unowned_session(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &Statement,
+        called: std::result::Result<Vec<Row>, tokio_postgres::Error>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
+        match called {
+            Err(e) if e.code().map(|code| code.code()) == Some(sql::NOT_READ_COMMITTED) => {
+                tracing::debug!(error = %e, "pgfence runs a mutation in its own transaction at \
+                    read committed: its session's transactions default to another level");
+                self.skip_functions.store(SKIP_FUNCTIONS_AFTER_FALLBACK, Ordering::Relaxed);
+                let statement = self.pool.mode().prepare_cached(client, sql).await?;
+                statement.query_read_committed(client, params).await
+            }
+            called => called,
         }
     }
 

@@ -20,11 +20,14 @@ pub(crate) async fn apply_alone(
     mutation: &Mutation,
 ) -> Result<()> {
     let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
+    let s = &exec.statements;
     match mutation {
         Mutation::Write(value) => {
-            exec.fenced("write", &exec.statements.write, &[pn, sn, key, value]).await
+            exec.fenced("write", (&s.write, Some(&s.write_call)), &[pn, sn, key, value]).await
         }
-        Mutation::Remove => exec.fenced("remove", &exec.statements.remove, &[pn, sn, key]).await,
+        Mutation::Remove => {
+            exec.fenced("remove", (&s.remove, Some(&s.remove_call)), &[pn, sn, key]).await
+        }
     }
 }
 
@@ -49,10 +52,11 @@ pub(crate) async fn apply_fenced<'a>(
     let statements = &exec.statements;
     let puts = [&puts.primary as &(dyn ToSql + Sync), &puts.secondary, &puts.key, &values];
     if removes.key.is_empty() {
-        return exec.fenced("batch", &statements.batch_put, &puts).await;
+        return exec.fenced("batch", (&statements.batch_put, None), &puts).await;
     }
     let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
-    exec.fenced("batch", &statements.batch, &[&puts[..], &removes[..]].concat()).await
+    let params = [&puts[..], &removes[..]].concat();
+    exec.fenced("batch", (&statements.batch, None), &params).await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
