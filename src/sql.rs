@@ -269,13 +269,15 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// It commits with at least `synchronous_commit = on`, whatever the role, the database or the
 /// connection's options say: the store's own sessions are set so ([`READ_COMMITTED`]), and
 /// elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], which sets it for the
-/// transaction. So does every fenced mutation ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
+/// transaction, or its function ([`WRITE_CALL`]) sets it. So does every fenced mutation
+/// ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
 ///
 /// It runs at read committed: only that level re-reads the lease row after waiting for its
 /// lock. Under repeatable read or serializable the lock fails with a serialization error
 /// (40001) when a renewal changed the row since the snapshot, and the store cannot tell that
 /// from any other error. The store's own sessions are set to read committed
-/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`].
+/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], or its
+/// function ([`WRITE_CALL`]) checks the level first.
 pub(crate) const WRITE: &str = r#"
 WITH lease AS (
     SELECT epoch, expires_at FROM {lease}
