@@ -43,7 +43,8 @@ async fn invalid_table_names_are_rejected_before_any_sql() {
 async fn table_names_that_collide_with_another_stores_are_refused_before_any_sql() {
     let t = table("derived");
     let store = builder(&t).open().await.unwrap();
-    for suffix in ["_lease", "_schema_version", "_created_idx", "_pkey", "_lease_owner_id_key"] {
+    let suffixes = ["_lease", "_schema_version", "_created_idx", "_pkey", "_lease_owner_id_key"];
+    for suffix in suffixes.into_iter().chain(["_fenced_write", "_fenced_remove"]) {
         let name = format!("{t}{suffix}");
         let e = builder(&name).open().await.unwrap_err();
         let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{name}: {e:?}") };
