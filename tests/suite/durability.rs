@@ -191,7 +191,7 @@ async fn ok_is_durable_on_a_pool_passed_in_whatever_its_sessions_set() {
 /// changes, on that same server session, still commit durably at read committed. Its single
 /// writes and removes commit through their fenced functions at first. At serializable none
 /// does: the function refuses to run, and the store runs the statement in a transaction of its
-/// own at read committed instead.
+/// own at read committed instead. Back at read committed, the store soon calls them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
     let server = server();
@@ -219,6 +219,13 @@ async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
     let row = neighbour.query_one("SHOW default_transaction_isolation", &[]).await.unwrap();
     assert_eq!(row.get::<_, String>(0), "serializable");
     check_commits_through_functions(&store, &t, "on", false).await;
+    // Back at read committed: after at most 64 more writes in their own transactions, the
+    // store calls the functions again.
+    neighbour.batch_execute("SET default_transaction_isolation = 'read committed'").await.unwrap();
+    for i in 0..64 {
+        store.write("d", "s", "again", vec![i]).await.unwrap();
+    }
+    check_commits_through_functions(&store, &t, "on", true).await;
     store.close().await.unwrap();
     drop(neighbour);
     connection.await.unwrap().unwrap();
