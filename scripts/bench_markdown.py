@@ -294,7 +294,8 @@ def doc(directory):
     w("## Earlier measurements")
     w("")
     w(
-        "Measured with other commands, up to commit `f2896ae`, and kept in "
+        "Measured with other commands (up to commit `f2896ae`, and the fenced functions of "
+        "transaction mode since), and kept in "
         "[docs/benchmarks-archive.md](docs/benchmarks-archive.md):"
     )
     w("")
@@ -312,6 +313,7 @@ ARCHIVE = [
     ("Memory of queued writes", "memory-of-queued-writes"),
     ("Ten standbys", "ten-standbys"),
     ("Transaction mode: the cost of unnamed statements", "transaction-mode-the-cost-of-unnamed-statements-issue-17"),
+    ("Transaction mode: a fenced function per table (pgbench and a throwaway program)", "transaction-mode-a-fenced-function-per-table-issue-28-2026-12-03"),
     ("Surprises", "surprises"),
 ]
 

@@ -6,7 +6,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
@@ -17,7 +17,7 @@ use uuid::Uuid;
 use crate::error::{Error, KeyPath, LossReason, Result};
 use crate::keys::TableName;
 use crate::lease::{Keeper, Lease};
-use crate::sql::{Statement, Statements};
+use crate::sql::{self, Statement, Statements};
 use crate::stats::{Op, PoolStats};
 
 /// The statement executor: the store's pool, lease and renewal thread, shared by every handle
@@ -46,7 +46,18 @@ pub(crate) struct Executor {
     /// Set while [`Executor::fence_own`] changes the owner id (under `fencing`): mutations wait
     /// for it before they send anything. A flag, so that the write path takes no lock.
     pub(crate) fence_under_way: AtomicBool,
+    /// How many more mutations run in the pipeline of [`sql::BEGIN_READ_COMMITTED`] without
+    /// trying their function first ([`Executor::unowned_session`]). Set after a function found
+    /// its transaction at another isolation level than read committed.
+    pub(crate) skip_functions: AtomicU32,
 }
+
+/// How many mutations skip their function after one found another isolation level than read
+/// committed. A pool passed in whose sessions all default to serializable then costs a second
+/// round trip once in this many writes, not on every write. Behind a transaction pooler, a
+/// neighbour's `SET` on one server session makes at most this many writes take the pipeline.
+/// Both ways are correct; this only picks the cheaper one.
+const SKIP_FUNCTIONS_AFTER_FALLBACK: u32 = 64;
 
 impl Executor {
     /// What the caller of a mutation gets if the task running it is dropped unfinished, when
@@ -99,13 +110,17 @@ impl Executor {
     /// Runs a fenced mutation statement (one that returns whether the lease was held) while
     /// the caller holds the turns of every key it changes. `Ok` means committed. The owner id
     /// is its first parameter, which this adds in front of `params`.
+    ///
+    /// `call` is the same mutation as one call of its function, with the same parameters
+    /// ([`sql::WRITE_CALL`]). Where the store does not own its sessions, it runs that instead
+    /// (see [`Executor::unowned_session`]).
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
-        sql: &Statement,
+        (sql, call): (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
-        self.run(operation, sql, params, Kind::Mutation).await.map(drop)
+        self.run(operation, (sql, call), params, Kind::Mutation).await.map(drop)
     }
 
     /// Makes every deferred mutation of this store that committed before this call durable
@@ -129,7 +144,7 @@ impl Executor {
         loop {
             let ids = self.lease.owner_ids();
             let params: [&(dyn ToSql + Sync); 3] = [&ids, &token, &next];
-            let rows = self.run("flush", &self.statements.flush, &params, Kind::Flush).await?;
+            let rows = self.run("flush", (&self.statements.flush, None), &params, Kind::Flush).await?;
             let (held, kept) = rows.first().map_or((false, true), |row| (row.get(0), row.get(1)));
             if held {
                 return Ok(kept);
@@ -148,7 +163,7 @@ impl Executor {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>> {
         let _running = self.admit()?;
-        self.run(operation, sql, params, Kind::Read).await
+        self.run(operation, (sql, None), params, Kind::Read).await
     }
 
     /// Counts an operation of kind `op` that started at `started` and ended with `result`. A
@@ -215,7 +230,7 @@ impl Executor {
     async fn run(
         &self,
         operation: &'static str,
-        sql: &Statement,
+        sql: (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
         kind: Kind,
     ) -> Result<Vec<Row>> {
@@ -241,7 +256,7 @@ impl Executor {
     async fn attempts<'a>(
         &'a self,
         operation: &'static str,
-        sql: &Statement,
+        (sql, call): (&Statement, Option<&Statement>),
         params: &[&(dyn ToSql + Sync)],
         kind: Kind,
         unresolved: &mut Option<OutcomePending<'a>>,
@@ -276,11 +291,10 @@ impl Executor {
                     client.answered();
                 };
                 let statements = async {
-                    let statement = self
-                        .pool
-                        .mode()
-                        .prepare_cached(&client, sql)
-                        .await
+                    let unowned = writes_lease_row && !self.pool.own_sessions();
+                    let call = call.filter(|_| unowned && self.tries_functions());
+                    let mode = self.pool.mode();
+                    let statement = (mode.prepare_cached(&client, call.unwrap_or(sql)).await)
                         .map_err(Error::db(operation))?;
                     // Read after every wait, so a fence that began meanwhile is over and its
                     // id is the one sent. Only a fence that begins from here on still finds
@@ -295,13 +309,16 @@ impl Executor {
                     all.extend_from_slice(params);
                     // A mutation's and the flush's commit must be durable (a deferred mutation's
                     // SQL sets it off after this) at read committed: pinned per transaction
-                    // where the session is not the store's own.
-                    let rows = if writes_lease_row && !self.pool.own_sessions() {
-                        statement.query_read_committed(&client, &all).await
-                    } else {
-                        statement.query(&client, &all).await
-                    };
-                    rows.map_err(Error::db(operation))
+                    // where the session is not the store's own, or by the mutation's function.
+                    match (unowned, call) {
+                        (true, Some(_)) => {
+                            let called = statement.query(&client, &all).await;
+                            self.unowned_session(&client, sql, called, &all).await
+                        }
+                        (true, None) => statement.query_read_committed(&client, &all).await,
+                        (false, _) => statement.query(&client, &all).await,
+                    }
+                    .map_err(Error::db(operation))
                 };
                 let rows = statements.await;
                 client.answered(); // Each statement sent got its answer, an error included.
@@ -371,6 +388,44 @@ impl Executor {
                 }
                 result => return result,
             }
+        }
+    }
+
+    /// Whether a mutation on a session the store does not own calls its function first
+    /// ([`Executor::unowned_session`]).
+    fn tries_functions(&self) -> bool {
+        let skip = |left: u32| left.checked_sub(1);
+        self.skip_functions.fetch_update(Ordering::Relaxed, Ordering::Relaxed, skip).is_err()
+    }
+
+    /// The answer to a mutation's function (`called`) on a session the store does not own:
+    /// behind a transaction pooler, or on a pool passed in.
+    ///
+    /// The function runs at the level of its implicit transaction, which the session's
+    /// `default_transaction_isolation` sets. It is not the store's to set there: a pooler's
+    /// other client, or the application, may have asked for serializable. Only read committed
+    /// keeps a fenced mutation from failing with a serialization error after a renewal (see
+    /// [`sql::WRITE`]). So at any other level the function changes nothing and raises
+    /// [`sql::NOT_READ_COMMITTED`]. The mutation then runs as today's statement `sql`, in a
+    /// pipelined `BEGIN ISOLATION LEVEL READ COMMITTED` ... `COMMIT` on the same connection:
+    /// one round trip more. The next [`SKIP_FUNCTIONS_AFTER_FALLBACK`] mutations go there
+    /// directly.
+    async fn unowned_session(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        sql: &Statement,
+        called: std::result::Result<Vec<Row>, tokio_postgres::Error>,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
+        match called {
+            Err(e) if e.code().map(|code| code.code()) == Some(sql::NOT_READ_COMMITTED) => {
+                tracing::debug!(error = %e, "pgfence runs a mutation in its own transaction at \
+                    read committed: its session's transactions default to another level");
+                self.skip_functions.store(SKIP_FUNCTIONS_AFTER_FALLBACK, Ordering::Relaxed);
+                let statement = self.pool.mode().prepare_cached(client, sql).await?;
+                statement.query_read_committed(client, params).await
+            }
+            called => called,
         }
     }
 

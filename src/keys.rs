@@ -23,7 +23,10 @@ pub(crate) const MAX_TABLE_NAME_LEN: usize = 48;
 /// `t_created_idx`,
 /// and the names PostgreSQL gives the keys and the identity sequence (`t_pkey`,
 /// `t_lease_owner_id_key`, `t_created_seq_seq`). Tables, indexes and sequences share one
-/// namespace. A table name with one of these endings would be a name another store derives:
+/// namespace. The functions `t_fenced_write` and `t_fenced_remove` live in another one, so
+/// no table can collide with them. They are reserved all the same, so that every name a store
+/// derives is one no other store's table bears: one name, one store, in `\d` and `\df` alike.
+/// A table name with one of these endings would be a name another store derives:
 /// `t_lease` is store `t`'s lease table. Refusing them keeps every two stores apart, since
 /// each longer derived ending that ends in a shorter one (`_lease_pkey`) starts with one of
 /// these (`_lease`).
@@ -35,6 +38,8 @@ const DERIVED_ENDINGS: &[&str] = &[
     "_pkey",
     "_lease_owner_id_key",
     "_created_seq_seq",
+    "_fenced_write",
+    "_fenced_remove",
 ];
 
 fn is_key_char(c: char) -> bool {
@@ -116,9 +121,9 @@ impl TableName {
         if let Some(ending) = DERIVED_ENDINGS.iter().find(derived) {
             let other = &name[..name.len() - ending.len()];
             return Err(bad(format!(
-                "{input:?} ends in {ending:?}: the store of table {other:?} names a table, index \
-                 or sequence {name:?} in that schema. Choose a name that does not end in any of \
-                 {DERIVED_ENDINGS:?}"
+                "{input:?} ends in {ending:?}: the store of table {other:?} names a table, index, \
+                 sequence or function {name:?} in that schema. Choose a name that does not end \
+                 in any of {DERIVED_ENDINGS:?}"
             )));
         }
         Ok(TableName { schema: schema.map(str::to_owned), name: name.to_owned() })
@@ -181,6 +186,8 @@ mod tests {
             ("kv_created_seq_seq", "\"kv\""),
             ("kv_lease_owner_id_key", "\"kv\""),
             ("kv_crash_marker", "\"kv\""),
+            ("kv_fenced_write", "\"kv\""),
+            ("app.kv_fenced_remove", "\"kv\""),
         ] {
             let e = TableName::parse(bad).unwrap_err();
             let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{e}") };

@@ -12,6 +12,13 @@
 /// whether the server crashed since they were written.
 pub const TABLES: [&str; 4] = ["", "_lease", "_schema_version", "_crash_marker"];
 
+/// The two functions of a pgfence table name, by the ending of their name: the fenced write
+/// and the fenced remove (schema version 6). A single write or remove calls them where the
+/// store does not own its sessions: behind a transaction pooler, or on a pool passed in. They
+/// run with the caller's privileges on the tables, and need `EXECUTE`, which PostgreSQL grants
+/// to `PUBLIC` by default.
+pub const FUNCTIONS: [&str; 2] = ["_fenced_write", "_fenced_remove"];
+
 /// What a role does with a store's tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -125,6 +132,12 @@ pub(crate) fn advice(message: &str, operation: &str, role: &str) -> (String, Str
             format!("ALTER ROLE {role} CREATEDB, or create the database as an administrator"),
         );
     } else if let Some(function) = message.strip_prefix("permission denied for function ") {
+        if FUNCTIONS.iter().any(|ending| function.ends_with(ending)) {
+            return (
+                format!("EXECUTE on function {function}, which a write or remove calls"),
+                format!("GRANT EXECUTE ON FUNCTION {function} TO {role}"),
+            );
+        }
         return (
             format!("EXECUTE on function {function}, which acquiring the lease calls"),
             format!(
@@ -180,6 +193,14 @@ mod tests {
         assert_eq!(
             advised("permission denied for schema app", "read"),
             "GRANT USAGE ON SCHEMA app TO app"
+        );
+        assert_eq!(
+            advised("permission denied for function kv_fenced_write", "write"),
+            "GRANT EXECUTE ON FUNCTION kv_fenced_write TO app"
+        );
+        assert_eq!(
+            advised("permission denied for function pg_walfile_name", "acquire lease"),
+            "GRANT EXECUTE ON FUNCTION pg_walfile_name(pg_lsn), pg_current_wal_lsn() TO app"
         );
     }
 

@@ -37,11 +37,16 @@ pub enum PoolMode {
     /// PgBouncer's `pool_mode = transaction`.
     ///
     /// The store then keeps nothing in a server session. Statements are unnamed, parsed and
-    /// planned on every execution. No session setting is made, so:
+    /// planned on every execution. No session setting is made, so (see docs/deployments.md):
     ///
-    /// - Each fenced mutation, and each renewal, runs in a transaction of its own at read
-    ///   committed (`BEGIN ISOLATION LEVEL READ COMMITTED`, pipelined with the statement and
-    ///   its `COMMIT` in one round trip). Another client's session settings cannot change that.
+    /// - A single `write` or `remove` is one call of the table's PL/pgSQL function
+    ///   (`<table>_fenced_write`, `<table>_fenced_remove`), whose statements are planned once
+    ///   per server session. It checks the lease, and pins `synchronous_commit`, as the fenced
+    ///   statement does.
+    /// - Each batch, each renewal, and a write or remove whose transaction would not run at
+    ///   read committed, runs in a transaction of its own at read committed (`BEGIN
+    ///   ISOLATION LEVEL READ COMMITTED`, pipelined with the statement and its `COMMIT` in
+    ///   one round trip). Another client's session settings cannot change that.
     /// - Renewals and releases commit synchronously. `synchronous_commit = off` is a session
     ///   setting; see docs/design.md, section "Renewal".
     /// - A fleet's shared renewal connection has no `lock_timeout` of 100 ms.

@@ -1,7 +1,8 @@
 //! Every SQL statement pgfence runs, in one place, readable and pasteable into `psql`.
 //!
 //! `{kv}`, `{lease}` and `{version}` stand for the quoted names of the KV table, the lease
-//! table and the schema-version table; [`Statements::new`] substitutes them once per store.
+//! table and the schema-version table, `{write_fn}` and `{remove_fn}` for those of the fenced
+//! functions (migration 6); [`Statements::new`] substitutes them once per store.
 //! Table names are validated to `[A-Za-z_][A-Za-z0-9_]*` before they get here, so the
 //! substitution can never escape the quotes. Every value is a bind parameter.
 //!
@@ -320,13 +321,15 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// It commits with at least `synchronous_commit = on`, whatever the role, the database or the
 /// connection's options say: the store's own sessions are set so ([`READ_COMMITTED`]), and
 /// elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], which sets it for the
-/// transaction. So does every fenced mutation ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
+/// transaction, or its function ([`WRITE_CALL`]) sets it. So does every fenced mutation
+/// ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
 ///
 /// It runs at read committed: only that level re-reads the lease row after waiting for its
 /// lock. Under repeatable read or serializable the lock fails with a serialization error
 /// (40001) when a renewal changed the row since the snapshot, and the store cannot tell that
 /// from any other error. The store's own sessions are set to read committed
-/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`].
+/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], or its
+/// function ([`WRITE_CALL`]) checks the level first.
 pub(crate) const WRITE: &str = r#"
 WITH lease AS (
     SELECT epoch, expires_at FROM {lease}
@@ -393,6 +396,28 @@ WITH lease AS (
 )
 SELECT EXISTS (SELECT 1 FROM valid)"#;
 pub(crate) const REMOVE_TYPES: &[Type] = &[Type::UUID, Type::TEXT, Type::TEXT, Type::TEXT];
+
+/// [`WRITE`] as one call of the table's function (migration 6), for a store that does not own
+/// its server sessions: behind a transaction pooler, or on a pool passed in. Unnamed there, a
+/// plain [`WRITE`] is parsed and planned on every execution. The function's statements are
+/// planned once per server session instead, across the clients a pooler hands it to.
+///
+/// One statement, no `BEGIN` or `COMMIT`: its implicit transaction commits when it ends. The
+/// function pins what [`BEGIN_READ_COMMITTED`] pins. It sets `synchronous_commit` for the
+/// transaction, from its last argument: `'on'` keeps a session's `remote_apply` as
+/// [`BEGIN_READ_COMMITTED`] does; `'off'` would commit asynchronously. It cannot set the
+/// isolation level of the transaction it runs in. So it fails with [`NOT_READ_COMMITTED`] at
+/// any other level, before it changes anything, and the store runs [`WRITE`] in
+/// [`BEGIN_READ_COMMITTED`] instead. Otherwise it returns what [`WRITE`] returns.
+pub(crate) const WRITE_CALL: &str = "SELECT {write_fn}($1, $2, $3, $4, $5, 'on')";
+
+/// [`REMOVE`] as one call of the table's function: see [`WRITE_CALL`].
+pub(crate) const REMOVE_CALL: &str = "SELECT {remove_fn}($1, $2, $3, $4, 'on')";
+
+/// The SQLSTATE of the functions of [`WRITE_CALL`] and [`REMOVE_CALL`] in a transaction that
+/// is not at read committed (class `PF`, which PostgreSQL does not use). They raise it before
+/// they change anything.
+pub(crate) const NOT_READ_COMMITTED: &str = "PF001";
 
 /// The fenced atomic batch, shaped like [`WRITE`]: one statement, one round trip, one fence
 /// check for every operation. `$2..$5` are the puts (namespaces, keys, values) and `$6..$8` the
@@ -531,6 +556,7 @@ pub(crate) const MIGRATIONS: &[(i32, &str)] = &[
     (3, include_str!("../migrations/0003_kv_fillfactor.sql")),
     (4, include_str!("../migrations/0004_kv_key_collation.sql")),
     (5, include_str!("../migrations/0005_crash_marker.sql")),
+    (6, include_str!("../migrations/0006_fenced_functions.sql")),
 ];
 
 /// One statement of a store: its SQL, with the table names substituted, and the types of its
@@ -557,6 +583,8 @@ pub(crate) struct Statements {
     pub(crate) set_crash_marker: Statement,
     pub(crate) write: Statement,
     pub(crate) remove: Statement,
+    pub(crate) write_call: Statement,
+    pub(crate) remove_call: Statement,
     pub(crate) batch: Statement,
     pub(crate) batch_put: Statement,
     pub(crate) write_deferred: Statement,
@@ -588,6 +616,8 @@ impl Statements {
             set_crash_marker: s(SET_CRASH_MARKER, SET_CRASH_MARKER_TYPES),
             write: s(WRITE, WRITE_TYPES),
             remove: s(REMOVE, REMOVE_TYPES),
+            write_call: s(WRITE_CALL, WRITE_TYPES),
+            remove_call: s(REMOVE_CALL, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
             batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
             write_deferred: s(&deferred(WRITE), WRITE_TYPES),
@@ -612,6 +642,8 @@ pub(crate) fn substitute(sql: &str, table: &TableName) -> String {
         .replace("{lease}", &table.quoted("_lease"))
         .replace("{version}", &table.quoted("_schema_version"))
         .replace("{crash_marker}", &table.quoted("_crash_marker"))
+        .replace("{write_fn}", &table.quoted("_fenced_write"))
+        .replace("{remove_fn}", &table.quoted("_fenced_remove"))
         .replace("{schema}", &format!("\"{schema}\""))
 }
 
@@ -690,6 +722,8 @@ mod tests {
             &s.set_crash_marker,
             &s.write,
             &s.remove,
+            &s.write_call,
+            &s.remove_call,
             &s.batch,
             &s.batch_put,
             &s.write_deferred,

@@ -296,6 +296,7 @@ async fn open_here(
             retry_for: builder.lease_ttl,
             fencing: tokio::sync::Mutex::new(()),
             fence_under_way: std::sync::atomic::AtomicBool::new(false),
+            skip_functions: std::sync::atomic::AtomicU32::new(0),
         }),
         writes: Arc::new(Writes::new(
             builder.write_concurrency,

@@ -44,13 +44,18 @@ pub(crate) async fn apply_alone(
 ) -> Result<()> {
     let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
     let s = &exec.statements;
-    let (write, remove) = match durability {
-        Durability::Durable => (&s.write, &s.remove),
-        Durability::Deferred => (&s.write_deferred, &s.remove_deferred),
+    // A deferred mutation keeps the pipelined transaction off the store's own sessions: the
+    // functions commit durably.
+    let (write, remove, calls) = match durability {
+        Durability::Durable => (&s.write, &s.remove, Some((&s.write_call, &s.remove_call))),
+        Durability::Deferred => (&s.write_deferred, &s.remove_deferred, None),
     };
+    let (write_call, remove_call) = calls.unzip();
     match mutation {
-        Mutation::Write(value) => exec.fenced("write", write, &[pn, sn, key, value]).await,
-        Mutation::Remove => exec.fenced("remove", remove, &[pn, sn, key]).await,
+        Mutation::Write(value) => {
+            exec.fenced("write", (write, write_call), &[pn, sn, key, value]).await
+        }
+        Mutation::Remove => exec.fenced("remove", (remove, remove_call), &[pn, sn, key]).await,
     }
 }
 
@@ -80,10 +85,11 @@ pub(crate) async fn apply_fenced<'a>(
     };
     let puts = [&puts.primary as &(dyn ToSql + Sync), &puts.secondary, &puts.key, &values];
     if removes.key.is_empty() {
-        return exec.fenced("batch", batch_put, &puts).await;
+        return exec.fenced("batch", (batch_put, None), &puts).await;
     }
     let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
-    exec.fenced("batch", batch, &[&puts[..], &removes[..]].concat()).await
+    let params = [&puts[..], &removes[..]].concat();
+    exec.fenced("batch", (batch, None), &params).await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.

@@ -6,6 +6,10 @@
 //!
 //! A deferred constraint trigger on the store's table records, at each commit, the settings
 //! that commit obeys: it fires in the commit itself, after every statement of the transaction.
+//! It records too the statement the client sent that made the change: the fenced function's
+//! call (migration 6) or a fenced statement. A second trigger, not deferred, passes that on in
+//! a setting of the transaction: at the commit that ends an unnamed statement,
+//! `current_query()` is no longer set.
 
 use crate::common;
 
@@ -15,20 +19,28 @@ use common::{admin, server, table};
 use pgfence::{PgKvStore, PoolMode};
 use pgfence_testing::PgBouncer;
 
-/// Records `synchronous_commit` and `transaction_isolation` at the commit of every change to
-/// `t`, into `<t>_commits`.
+/// Records `synchronous_commit`, `transaction_isolation` and the client's statement at the
+/// commit of every change to `t`, into `<t>_commits`.
 async fn record_commit_settings(t: &str) {
     admin()
         .await
         .batch_execute(&format!(
-            "CREATE TABLE \"{t}_commits\" (op TEXT, sync TEXT, isolation TEXT);
+            "CREATE TABLE \"{t}_commits\" (op TEXT, sync TEXT, isolation TEXT, query TEXT);
              CREATE FUNCTION \"{t}_record\"() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
                  INSERT INTO \"{t}_commits\" VALUES (TG_OP,
                      current_setting('synchronous_commit'),
-                     current_setting('transaction_isolation'));
+                     current_setting('transaction_isolation'),
+                     current_setting('pgfence_test.query', true));
                  RETURN NULL;
              END $$;
+             CREATE FUNCTION \"{t}_sent\"() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM set_config('pgfence_test.query', current_query(), true);
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER sent AFTER INSERT OR UPDATE OR DELETE ON \"{t}\"
+                 FOR EACH ROW EXECUTE FUNCTION \"{t}_sent\"();
              CREATE CONSTRAINT TRIGGER record AFTER INSERT OR UPDATE OR DELETE ON \"{t}\"
                  DEFERRABLE INITIALLY DEFERRED
                  FOR EACH ROW EXECUTE FUNCTION \"{t}_record\"();"
@@ -42,6 +54,36 @@ async fn commits(t: &str) -> Vec<(String, String, String)> {
     let sql = format!("SELECT op, sync, isolation FROM \"{t}_commits\"");
     let rows = admin().await.query(&sql, &[]).await.unwrap();
     rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect()
+}
+
+/// The operations of the commits recorded on `t` that a fenced function made (see the module's
+/// doc), and the number of every commit recorded.
+async fn function_commits(t: &str) -> (Vec<String>, i64) {
+    let sql = format!(
+        "SELECT coalesce(array_agg(op) FILTER (WHERE query LIKE '%\\_fenced\\_%'), '{{}}'),
+                count(*)
+           FROM \"{t}_commits\""
+    );
+    let row = admin().await.query_one(&sql, &[]).await.unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Forgets the commits recorded on `t` so far.
+async fn forget_commits(t: &str) {
+    admin().await.batch_execute(&format!("TRUNCATE \"{t}_commits\"")).await.unwrap();
+}
+
+/// [`check_every_mutation_commits`], and whether the single writes and the remove committed
+/// through their fenced functions (`true`) or none did (`false`).
+async fn check_commits_through_functions(store: &PgKvStore, t: &str, sync: &str, called: bool) {
+    forget_commits(t).await;
+    check_every_mutation_commits(store, t, sync).await;
+    let (mut ops, all) = function_commits(t).await;
+    ops.sort();
+    ops.dedup();
+    let expected: &[&str] = if called { &["DELETE", "INSERT", "UPDATE"] } else { &[] };
+    assert_eq!(ops, expected, "commits through a function, of {all}");
+    assert!(all > 0);
 }
 
 /// A write, an overwrite, a coalesced pair, a batch and a remove on `store`: each returns
@@ -113,33 +155,43 @@ async fn ok_is_durable_whatever_the_role_and_the_session_set() {
         .unwrap();
 }
 
-/// A store on an application's pool, whose connections default to asynchronous commits at
-/// serializable: its changes commit durably, at read committed.
+/// A store on an application's pool, whose connections default to asynchronous commits, at
+/// serializable or not: its changes commit durably, at read committed. A stronger
+/// `remote_apply` is kept. Its single writes and removes commit through their fenced functions,
+/// but not at serializable: the function refuses to run there, and the store runs the
+/// statement in a transaction of its own at read committed instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ok_is_durable_on_a_pool_passed_in_whatever_its_sessions_set() {
     use pgfence::deadpool_postgres::{Manager, Pool};
-    let t = table("durpool");
-    let mut config = server().config();
-    let base = config.get_options().unwrap_or_default().to_owned();
-    config.options(format!(
-        "{base} -c synchronous_commit=off -c default_transaction_isolation=serializable"
-    ));
-    let manager = Manager::new(config, pgfence::tokio_postgres::NoTls);
-    let pool = Pool::builder(manager).max_size(2).build().unwrap();
-    let store = PgKvStore::builder_from_pool(pool)
-        .table(&t)
-        .lease_ttl(Duration::from_secs(30))
-        .open()
-        .await
-        .unwrap();
-    record_commit_settings(&t).await;
-    check_every_mutation_commits(&store, &t, "on").await;
-    store.close().await.unwrap();
+    for (options, sync, called) in [
+        ("-c synchronous_commit=off -c default_transaction_isolation=serializable", "on", false),
+        ("-c synchronous_commit=off", "on", true),
+        ("-c synchronous_commit=remote_apply", "remote_apply", true),
+    ] {
+        let t = table("durpool");
+        let mut config = server().config();
+        let base = config.get_options().unwrap_or_default().to_owned();
+        config.options(format!("{base} {options}"));
+        let manager = Manager::new(config, pgfence::tokio_postgres::NoTls);
+        let pool = Pool::builder(manager).max_size(2).build().unwrap();
+        let store = PgKvStore::builder_from_pool(pool)
+            .table(&t)
+            .lease_ttl(Duration::from_secs(30))
+            .open()
+            .await
+            .unwrap();
+        record_commit_settings(&t).await;
+        check_commits_through_functions(&store, &t, sync, called).await;
+        store.close().await.unwrap();
+    }
 }
 
 /// Behind a transaction pooler with one server session, another client sets that session to
-/// asynchronous commits at serializable, after the store opened. The store's changes, on that
-/// same server session, still commit durably at read committed.
+/// asynchronous commits, then to serializable too, after the store opened. The store's
+/// changes, on that same server session, still commit durably at read committed. Its single
+/// writes and removes commit through their fenced functions at first. At serializable none
+/// does: the function refuses to run, and the store runs the statement in a transaction of its
+/// own at read committed instead. Back at read committed, the store soon calls them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
     let server = server();
@@ -158,16 +210,22 @@ async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
     record_commit_settings(&t).await;
     let (neighbour, connection) = config.connect(pgfence::tokio_postgres::NoTls).await.unwrap();
     let connection = tokio::spawn(connection);
-    neighbour
-        .batch_execute(
-            "SET synchronous_commit = off; SET default_transaction_isolation = serializable",
-        )
-        .await
-        .unwrap();
+    neighbour.batch_execute("SET synchronous_commit = off").await.unwrap();
     // The one server session now has the neighbour's settings.
     let row = neighbour.query_one("SHOW synchronous_commit", &[]).await.unwrap();
     assert_eq!(row.get::<_, String>(0), "off");
-    check_every_mutation_commits(&store, &t, "on").await;
+    check_commits_through_functions(&store, &t, "on", true).await;
+    neighbour.batch_execute("SET default_transaction_isolation = serializable").await.unwrap();
+    let row = neighbour.query_one("SHOW default_transaction_isolation", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "serializable");
+    check_commits_through_functions(&store, &t, "on", false).await;
+    // Back at read committed: after at most 64 more writes in their own transactions, the
+    // store calls the functions again.
+    neighbour.batch_execute("SET default_transaction_isolation = 'read committed'").await.unwrap();
+    for i in 0..64 {
+        store.write("d", "s", "again", vec![i]).await.unwrap();
+    }
+    check_commits_through_functions(&store, &t, "on", true).await;
     store.close().await.unwrap();
     drop(neighbour);
     connection.await.unwrap().unwrap();

@@ -212,7 +212,7 @@ async fn lock_timeout_in_the_options_bounds_a_migration() {
 
     tx.commit().await.unwrap();
     let store = within("the open", open()).await.expect("migrated once the reader is gone");
-    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 5);
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 6);
     store.close().await.unwrap();
 }
 

@@ -51,7 +51,7 @@ async fn table_names_that_collide_with_another_stores_are_refused_before_any_sql
         "_pkey",
         "_lease_owner_id_key",
     ];
-    for suffix in suffixes {
+    for suffix in suffixes.into_iter().chain(["_fenced_write", "_fenced_remove"]) {
         let name = format!("{t}{suffix}");
         let e = builder(&name).open().await.unwrap_err();
         let Error::InvalidConfig { field: "table", reason } = &e else { panic!("{name}: {e:?}") };

@@ -89,7 +89,7 @@ async fn standby_does_not_migrate_a_held_table() {
     // The next successful open migrates for real.
     a.close().await.unwrap();
     let b = builder(&t).open().await.unwrap();
-    assert_eq!(schema_version(&db, &t).await, 5);
+    assert_eq!(schema_version(&db, &t).await, 6);
     let options: Option<Vec<String>> = db
         .query_one("SELECT reloptions FROM pg_class WHERE relname = $1", &[&t])
         .await
@@ -267,7 +267,7 @@ async fn newer_schema_is_refused_unchanged() {
         .await
         .unwrap();
     let e = builder(&t).open().await.unwrap_err();
-    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 5, .. }), "{e:?}");
+    assert!(matches!(e, Error::SchemaTooNew { found: 99, supported: 6, .. }), "{e:?}");
     let (_, epoch, _) = lease_row(&db, &t).await;
     assert_eq!(epoch, 1, "no lease was taken");
 }

@@ -521,3 +521,56 @@ async fn single_value(client: &pgfence::tokio_postgres::Client, sql: &str) -> St
     assert_eq!(rows.len(), 1, "{sql}: {rows:?}");
     rows.into_iter().next().expect("one row")
 }
+
+/// A store of schema version 5, before the fenced functions, opened through a transaction
+/// pooler: its `open()` migrates it to version 6, which creates the table's two functions.
+/// Its writes and removes then go through them: a trigger on the KV table records the
+/// statement the client sent (`current_query()`), the function's call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_of_version_5_migrates_and_writes_through_its_functions() {
+    let bouncer = small_transaction_bouncer(2);
+    let t = table("bouncer_txn_v4");
+    let store = via_transactions(&bouncer, &t).open().await.unwrap();
+    store.write("p", "s", "old", b"from version 6".to_vec()).await.unwrap();
+    store.close().await.unwrap();
+    let db = admin().await;
+    // Back to version 5: as a store created by the previous release left it.
+    db.batch_execute(&format!(
+        "DROP FUNCTION \"{t}_fenced_write\", \"{t}_fenced_remove\";
+         DELETE FROM \"{t}_schema_version\" WHERE version = 6;
+         CREATE TABLE \"{t}_sent\" (op TEXT, query TEXT);
+         CREATE FUNCTION \"{t}_record\"() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO \"{t}_sent\" VALUES (TG_OP, current_query());
+             RETURN NULL;
+         END $$;
+         CREATE TRIGGER record AFTER INSERT OR UPDATE OR DELETE ON \"{t}\"
+             FOR EACH ROW EXECUTE FUNCTION \"{t}_record\"();"
+    ))
+    .await
+    .unwrap();
+    let functions = format!(
+        "SELECT count(*) FROM pg_proc WHERE proname IN ('{t}_fenced_write', '{t}_fenced_remove')"
+    );
+    assert_eq!(db.query_one(&functions, &[]).await.unwrap().get::<_, i64>(0), 0);
+
+    let store = via_transactions(&bouncer, &t).open().await.unwrap();
+    let version = format!("SELECT max(version) FROM \"{t}_schema_version\"");
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 5, "migrated");
+    assert_eq!(db.query_one(&functions, &[]).await.unwrap().get::<_, i64>(0), 2);
+    store.write("p", "s", "k", b"1".to_vec()).await.unwrap();
+    store.write("p", "s", "k", b"2".to_vec()).await.unwrap();
+    store.remove("p", "s", "old", false).await.unwrap();
+    assert_eq!(store.read("p", "s", "k").await.unwrap(), b"2");
+    assert!(store.read("p", "s", "old").await.unwrap_err().is_not_found());
+    let sent = format!("SELECT op, query FROM \"{t}_sent\" ORDER BY op");
+    let sent: Vec<(String, String)> =
+        db.query(&sent, &[]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    let ops: Vec<&str> = sent.iter().map(|(op, _)| op.as_str()).collect();
+    assert_eq!(ops, ["DELETE", "INSERT", "UPDATE"], "{sent:?}");
+    for (op, query) in &sent {
+        let function = if op == "DELETE" { "_fenced_remove" } else { "_fenced_write" };
+        assert!(query.starts_with(&format!("SELECT \"{t}{function}\"(")), "{op}: {query}");
+    }
+    store.close().await.unwrap();
+}

@@ -344,11 +344,13 @@ async fn drop_tables(target: &Target) -> Result<(), String> {
         crate::target::ConnectError::Other(exit) => exit.message,
     })?;
     let sql = format!(
-        "DROP TABLE IF EXISTS {}, {}, {}, {}",
+        "DROP TABLE IF EXISTS {}, {}, {}, {}; DROP FUNCTION IF EXISTS {}, {}",
         quote_table(&target.table, ""),
         quote_table(&target.table, "_lease"),
         quote_table(&target.table, "_schema_version"),
-        quote_table(&target.table, "_crash_marker")
+        quote_table(&target.table, "_crash_marker"),
+        quote_table(&target.table, "_fenced_write"),
+        quote_table(&target.table, "_fenced_remove")
     );
     client.batch_execute(&sql).await.map_err(|e| chain(&e))
 }
