@@ -144,7 +144,8 @@ impl Executor {
         loop {
             let ids = self.lease.owner_ids();
             let params: [&(dyn ToSql + Sync); 3] = [&ids, &token, &next];
-            let rows = self.run("flush", (&self.statements.flush, None), &params, Kind::Flush).await?;
+            let rows =
+                self.run("flush", (&self.statements.flush, None), &params, Kind::Flush).await?;
             let (held, kept) = rows.first().map_or((false, true), |row| (row.get(0), row.get(1)));
             if held {
                 return Ok(kept);

@@ -232,7 +232,7 @@ async fn keys_compare_byte_by_byte_whatever_the_database_collation() {
     assert_eq!(inspector.list("ns", "sub").await.unwrap(), linguistic_order, "version 3");
     let store = open().await.unwrap();
     assert_eq!(inspector.list("ns", "sub").await.unwrap(), byte_order, "inspector, migrated");
-    assert_eq!(schema_version(&client, &t).await, 5, "migrated");
+    assert_eq!(schema_version(&client, &t).await, 6, "migrated");
     let collations: Vec<String> = client.query_one(&index_collations, &[]).await.unwrap().get(0);
     assert_eq!(collations, ["C"; 5], "both indexes rebuilt");
     assert_eq!(store.list("ns", "sub").await.unwrap(), byte_order, "a migrated table");

@@ -529,7 +529,7 @@ async fn single_value(client: &pgfence::tokio_postgres::Client, sql: &str) -> St
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_of_version_5_migrates_and_writes_through_its_functions() {
     let bouncer = small_transaction_bouncer(2);
-    let t = table("bouncer_txn_v4");
+    let t = table("bouncer_txn_v5");
     let store = via_transactions(&bouncer, &t).open().await.unwrap();
     store.write("p", "s", "old", b"from version 6".to_vec()).await.unwrap();
     store.close().await.unwrap();
@@ -556,7 +556,7 @@ async fn a_store_of_version_5_migrates_and_writes_through_its_functions() {
 
     let store = via_transactions(&bouncer, &t).open().await.unwrap();
     let version = format!("SELECT max(version) FROM \"{t}_schema_version\"");
-    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 5, "migrated");
+    assert_eq!(db.query_one(&version, &[]).await.unwrap().get::<_, i32>(0), 6, "migrated");
     assert_eq!(db.query_one(&functions, &[]).await.unwrap().get::<_, i64>(0), 2);
     store.write("p", "s", "k", b"1".to_vec()).await.unwrap();
     store.write("p", "s", "k", b"2".to_vec()).await.unwrap();
