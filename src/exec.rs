@@ -128,7 +128,7 @@ impl Executor {
     /// committed durably. In the same transaction it checks that the crash marker still holds
     /// `token`, and writes `next` there if not. It returns whether `token` was kept: false means
     /// the server crashed or failed over since `token` was written. The caller keeps the state
-    /// of tokens ([`crate::write::marker`]).
+    /// of tokens (`write::marker`, above this module).
     ///
     /// The store's own sessions commit so; elsewhere it runs pinned like a mutation, so the
     /// check and the commit are one transaction there too. It retries a broken connection as
