@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{admin, server, table, within};
-use pgfence::{Error, LeaseState, LossReason, PgKvStore, PoolMode};
-use pgfence_testing::{Gate, GateMatch, Hold, PgBouncer, TestCluster};
+use pgfence::{Error, LeaseState, LossReason, PgKvStore};
+use pgfence_testing::{Gate, GateMatch, Hold, TestCluster};
 use rand::seq::SliceRandom;
 
 /// Records, at the commit of every change to `t`, the operation, the key, the
@@ -200,19 +200,8 @@ async fn deferred_commit_leaves_the_session_durable_on_a_pool_passed_in() {
 /// that one session, and a deferred one leaves nothing of `off` on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deferred_commit_leaves_the_session_durable_behind_a_transaction_pooler() {
-    let server = server();
-    let addr = server.tcp_addr().unwrap();
-    let bouncer = PgBouncer::start_sized(addr, pgfence_testing::PoolMode::Transaction, 1).unwrap();
-    let config = bouncer.config_via(&server.config());
     let t = table("defbounce");
-    let store = PgKvStore::builder_from_config(config.clone())
-        .table(&t)
-        .pool_mode(PoolMode::Transaction)
-        .pool_size(1)
-        .lease_ttl(Duration::from_secs(30))
-        .open()
-        .await
-        .unwrap();
+    let (_bouncer, config, store) = crate::durability::behind_one_server_session(&t, 1).await;
     record_commits(&t).await;
     check_deferred_stays_in_its_transaction(&store, &t, "on").await;
     // The one server session itself still says what it said before: nothing was SET on it.

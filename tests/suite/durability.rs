@@ -186,6 +186,27 @@ async fn ok_is_durable_on_a_pool_passed_in_whatever_its_sessions_set() {
     }
 }
 
+/// A PgBouncer in transaction mode with one server session in front of the test server, its
+/// connection configuration, and a store of table `t` through it with `pool_size` connections.
+pub(crate) async fn behind_one_server_session(
+    t: &str,
+    pool_size: usize,
+) -> (PgBouncer, pgfence::tokio_postgres::Config, PgKvStore) {
+    let server = server();
+    let addr = server.tcp_addr().unwrap();
+    let bouncer = PgBouncer::start_sized(addr, pgfence_testing::PoolMode::Transaction, 1).unwrap();
+    let config = bouncer.config_via(&server.config());
+    let store = PgKvStore::builder_from_config(config.clone())
+        .table(t)
+        .pool_mode(PoolMode::Transaction)
+        .pool_size(pool_size)
+        .lease_ttl(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap();
+    (bouncer, config, store)
+}
+
 /// Behind a transaction pooler with one server session, another client sets that session to
 /// asynchronous commits, then to serializable too, after the store opened. The store's
 /// changes, on that same server session, still commit durably at read committed. Its single
@@ -194,19 +215,8 @@ async fn ok_is_durable_on_a_pool_passed_in_whatever_its_sessions_set() {
 /// own at read committed instead. Back at read committed, the store soon calls them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
-    let server = server();
-    let addr = server.tcp_addr().unwrap();
-    let bouncer = PgBouncer::start_sized(addr, pgfence_testing::PoolMode::Transaction, 1).unwrap();
-    let config = bouncer.config_via(&server.config());
     let t = table("durbounce");
-    let store = PgKvStore::builder_from_config(config.clone())
-        .table(&t)
-        .pool_mode(PoolMode::Transaction)
-        .pool_size(2)
-        .lease_ttl(Duration::from_secs(30))
-        .open()
-        .await
-        .unwrap();
+    let (_bouncer, config, store) = behind_one_server_session(&t, 2).await;
     record_commit_settings(&t).await;
     let (neighbour, connection) = config.connect(pgfence::tokio_postgres::NoTls).await.unwrap();
     let connection = tokio::spawn(connection);
