@@ -438,9 +438,11 @@ fn near() -> Runtime {
 /// The far side of a network: a namespace (`far`) whose only way to this one is through a
 /// router (a second namespace), like a machine in another subnet. `host_ip` is this side's
 /// address, reachable from `far`. Addresses are a random /29 of 198.18.0.0/15 (reserved for
-/// network tests, RFC 2544), so that test processes running at once do not collide. Both
-/// namespaces, with their links, are deleted on drop; if the process is killed first, `ip
-/// netns list` shows them (`pgfence-net-*`) until deleted by hand.
+/// network tests, RFC 2544), reserved by the far namespace's name, so that tests and test
+/// processes running at once never share one (a shared block failed a CI run: `ip route add`
+/// found the route there, "File exists"). Both namespaces, with their links, are deleted on
+/// drop; if the process is killed first, `ip netns list` shows them (`pgfence-net-*`) until
+/// deleted by hand.
 ///
 /// A cut makes the router discard every packet it would forward, both ways, and tell no one:
 /// what a failed link or a firewall between two subnets does. Neither end's kernel learns of
@@ -456,22 +458,28 @@ struct Network {
 
 impl Network {
     fn create() -> Network {
-        let id = uuid::Uuid::new_v4();
-        let tag = &id.simple().to_string()[..8];
-        let block = u32::from(Ipv4Addr::new(198, 18, 0, 0)) + (id.as_u128() as u32 % 16_384) * 8;
+        // The far namespace's name holds the block's number, so creating it reserves the
+        // block on this machine: another test, or another test process, that picks the same
+        // block finds the name taken and picks again.
+        let index = loop {
+            let index = uuid::Uuid::new_v4().as_u128() as u32 % 16_384;
+            match run(&["ip", "netns", "add", &format!("pgfence-net-{index}")]) {
+                Ok(()) => break index,
+                Err(e) if e.contains("File exists") => continue, // Another's block.
+                Err(e) => panic!(
+                    "could not create a network namespace ({e}). These tests need root and \
+                     iproute2; to leave them out, run with `-- --skip partitioned_`"
+                ),
+            }
+        };
+        let block = u32::from(Ipv4Addr::new(198, 18, 0, 0)) + index * 8;
         let ip = |offset| Ipv4Addr::from(block + offset);
         let net = Network {
-            far: format!("pgfence-net-{tag}"),
-            router: format!("pgfence-net-{tag}-r"),
-            host_if: format!("pgf{tag}h"),
+            far: format!("pgfence-net-{index}"),
+            router: format!("pgfence-net-{index}-r"),
+            host_if: format!("pgf{index}h"),
             host_ip: ip(1),
         };
-        if let Err(e) = run(&["ip", "netns", "add", &net.far]) {
-            panic!(
-                "could not create a network namespace ({e}). These tests need root and \
-                 iproute2; to leave them out, run with `-- --skip partitioned_`"
-            );
-        }
         // From here on, dropping `net` cleans up.
         let host_if = &net.host_if;
         let (host, router, far) = (None, Some(net.router.as_str()), Some(net.far.as_str()));
