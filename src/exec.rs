@@ -509,11 +509,12 @@ impl Executor {
                 let client = Checkout::new(self.pool.get(operation).await?);
                 let params: [&(dyn ToSql + Sync); 2] = [&ids, &next];
                 let statement = &self.statements.change_owner;
-                let changed = self
-                    .pool
-                    .mode()
-                    .query(&***client, &statement.sql, statement.types, &params)
-                    .await;
+                // Pinned like a mutation where the session is not the store's own: a
+                // neighbour's serializable would fail it (40001) when a renewal changed the row
+                // while it waited, and its `synchronous_commit = off` could lose it in a crash.
+                let own = self.pool.own_sessions();
+                let changed =
+                    self.pool.mode().query_pinned(&***client, statement, &params, own).await;
                 client.answered(); // Answered, an error included.
                 changed.map_err(Error::db(operation))
             };

@@ -43,12 +43,13 @@ pub enum PoolMode {
     ///   (`<table>_fenced_write`, `<table>_fenced_remove`), whose statements are planned once
     ///   per server session. It checks the lease, and pins `synchronous_commit`, as the fenced
     ///   statement does.
-    /// - Each batch, each renewal, and a write or remove whose transaction would not run at
-    ///   read committed, runs in a transaction of its own at read committed (`BEGIN
+    /// - Each batch, each renewal, the release, the change of owner id that fences off a
+    ///   broken write, and a write or remove whose transaction would not run at read
+    ///   committed, runs in a transaction of its own at read committed (`BEGIN
     ///   ISOLATION LEVEL READ COMMITTED`, pipelined with the statement and its `COMMIT` in
     ///   one round trip). Another client's session settings cannot change that.
-    /// - Renewals and releases commit synchronously. `synchronous_commit = off` is a session
-    ///   setting; see docs/design.md, section "Renewal".
+    /// - Each of them commits with at least `synchronous_commit = on`, whatever another
+    ///   client set on the server session: see docs/design.md, "Durability of `Ok`".
     /// - A fleet's shared renewal connection has no `lock_timeout` of 100 ms.
     ///
     /// `open()` does not look for a transaction pooler then. A standby polls the lease
@@ -103,6 +104,30 @@ impl PoolMode {
         match self {
             PoolMode::Session => client.execute(sql, params).await,
             PoolMode::Transaction => client.execute_typed(sql, &typed(types, params)).await,
+        }
+    }
+
+    /// [`PoolMode::query`] for a statement that writes the lease row outside a fenced mutation
+    /// (the fence's change of owner id, the release). On a session that is not the store's own
+    /// (`own_session` false) it runs pinned, as a mutation does:
+    /// [`Prepared::query_read_committed`]. On the store's own, its session is pinned already
+    /// ([`sql::READ_COMMITTED`]).
+    pub(crate) async fn query_pinned(
+        self,
+        client: &Client,
+        statement: &Statement,
+        params: Params<'_>,
+        own_session: bool,
+    ) -> Result<Vec<Row>, Error> {
+        match own_session {
+            true => self.query(client, &statement.sql, statement.types, params).await,
+            false => {
+                let pinned = match self {
+                    PoolMode::Session => Prepared::Named(client.prepare(&statement.sql).await?),
+                    PoolMode::Transaction => Prepared::Unnamed(Cow::Borrowed(statement)),
+                };
+                pinned.query_read_committed(client, params).await
+            }
         }
     }
 

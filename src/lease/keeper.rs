@@ -607,10 +607,13 @@ async fn release(config: &KeeperConfig, lease: &Lease, session: &mut Link) -> Re
     loop {
         let ids = lease.owner_ids();
         let params: [&(dyn ToSql + Sync); 2] = [&ids, &config.notify_channel];
-        let rows = (config.connector.mode())
-            .query(session.conn.client(), &release.sql, release.types, &params)
-            .await
-            .map_err(Error::db("release lease"))?;
+        // Behind a transaction pooler pinned, as `renew` is: the session may be another
+        // client's, at serializable or with `synchronous_commit = off`.
+        let mode = config.connector.mode();
+        let rows =
+            (mode.query_pinned(session.conn.client(), release, &params, mode.keeps_session()))
+                .await
+                .map_err(Error::db("release lease"))?;
         if !rows.is_empty() {
             return Ok(());
         }

@@ -240,3 +240,70 @@ async fn ok_is_durable_whatever_a_transaction_poolers_other_client_set() {
     drop(neighbour);
     connection.await.unwrap().unwrap();
 }
+
+/// The fence's change of owner id and the release write the lease row outside a fenced
+/// mutation, and pin their commits the same way. Behind a transaction pooler with one server
+/// session, another client sets that session to asynchronous commits at serializable. A write's
+/// connection then breaks after its commit, unanswered: the store changes its owner id to fence
+/// it off, retries it, and is closed, which releases the lease. Each of those commits on the
+/// lease row, renewals included, is durable at read committed. (Before they were pinned, the
+/// change and the release committed with the neighbour's `off` at serializable.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_and_release_commit_durably_whatever_a_transaction_poolers_other_client_set() {
+    let t = table("durfence");
+    let server = server();
+    let bouncer = PgBouncer::start_sized(
+        server.tcp_addr().unwrap(),
+        pgfence_testing::PoolMode::Transaction,
+        1,
+    )
+    .unwrap();
+    let proxy = pgfence_testing::Proxy::start(bouncer.addr()).await.unwrap();
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_mode(PoolMode::Transaction)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap();
+    let owner = store.owner_id();
+    let lease = format!("{t}_lease");
+    record_commit_settings(&lease).await;
+    let (neighbour, connection) =
+        bouncer.config_via(&server.config()).connect(pgfence::tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    neighbour
+        .batch_execute(
+            "SET synchronous_commit = off; SET default_transaction_isolation = serializable",
+        )
+        .await
+        .unwrap();
+    let row = neighbour.query_one("SHOW default_transaction_isolation", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "serializable", "the one server session is shared");
+    // The function refuses to run at serializable; from now on the store's writes run in a
+    // pipelined transaction of their own: `INSERT INTO` the table, which the gate below holds.
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+
+    let (gate, write) =
+        crate::interleavings::write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
+    assert!(gate.cut());
+    crate::interleavings::wait_for_owner_change(&t, owner).await;
+    common::within("the broken write", write).await.unwrap().expect("retried after the fence");
+    store.close().await.unwrap();
+
+    let (_, _, expires_in) = common::lease_row(&admin().await, &t).await;
+    assert!(expires_in <= 0, "released: {expires_in} ms left");
+    let commits = commits(&lease).await;
+    let updates = commits.iter().filter(|(op, _, _)| op == "UPDATE").count();
+    assert!(updates >= 2, "the change of owner id and the release: {commits:?}");
+    for (op, sync, isolation) in &commits {
+        assert_eq!(
+            (sync.as_str(), isolation.as_str()),
+            ("on", "read committed"),
+            "{op}: {commits:?}"
+        );
+    }
+    drop(neighbour);
+    connection.await.unwrap().unwrap();
+}
