@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{HANG_GUARD, admin, builder, lease_row, lease_table, table, within};
 use pgfence::{Error, LeaseLossPolicy, LeaseState, LossReason, PgKvStore, PoolMode};
 use pgfence_testing::PoolMode::Transaction;
-use pgfence_testing::{PgBouncer, Proxy, TestServer};
+use pgfence_testing::{Hold, PgBouncer, Proxy, TestServer};
 
 /// Makes the first write of the value `slow` to `table` sleep `seconds` inside its statement,
 /// before it locks the row (a BEFORE INSERT trigger runs before the conflict check). Later
@@ -136,44 +136,29 @@ async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool, route: Ro
 
 /// A write sent with the owner id of before the store fenced off an orphaned statement finds
 /// another id in the lease row and writes nothing. That is no loss: the store sends it again,
-/// with the new id. Here the write is held up behind an administrator's table lock (queued
-/// behind the orphan) until the fence has committed.
+/// with the new id. The proxy's gates pin the order: the write of `k` commits unanswered; the
+/// write of `b` is sent (with the old id: no fence has begun) and held on its way; the first
+/// write's connection breaks, and the store's change of owner id commits; then `b` reaches the
+/// server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_sent_with_an_owner_id_changed_meanwhile_is_sent_again() {
-    let server = TestServer::shared().unwrap();
-    let proxy = Proxy::start(server.tcp_addr().unwrap()).await.unwrap();
-    let t = table("ownerchg");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
-        .table(&t)
-        .pool_size(4)
-        .lease_ttl(Duration::from_secs(30))
-        .renew_interval(Duration::from_secs(5))
-        .open()
-        .await
-        .unwrap();
-    store.write("o", "s", "k", b"first".to_vec()).await.unwrap();
+    use crate::interleavings::{
+        proxied_store, wait_for_owner_change, write_committed_unanswered, writes_to,
+    };
+    let (t, proxy, store) = proxied_store("ownerchg", |b| b).await;
     let owner = store.owner_id();
-    slow_trigger(&t, 4).await;
-    let slow = tokio::spawn(store.write("o", "s", "k", b"slow".to_vec()));
-    wait_for_sleeper(&t).await;
-    let mut lock = TableLock::queue(&t).await; // Behind the sleeping statement.
-    proxy.cut_all(); // The orphan sleeps on; the store's fence waits for it.
-    tokio::time::sleep(Duration::from_millis(300)).await; // The pool sees its connections closed.
-    let b = tokio::spawn(store.write("o", "s", "b", b"b".to_vec())); // Sent with the old id.
-    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
-    let pattern = format!("%INSERT INTO \"{t}\"%");
-    common::wait_for_row("the write waits behind the table lock", sql, &[&pattern]).await;
-    assert_eq!(lock.granted().await, b"slow", "the orphan committed");
-    within("the fence commits", async {
-        while lease_row_owner(&t).await == owner {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    lock.release().await; // The write runs with the old id, and then with the new one.
+    let (a_gate, a) = write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
+    let b_gate = proxy.gate(writes_to(&t), Hold::Statement);
+    let b = tokio::spawn(store.write("o", "s", "b", b"b".to_vec()));
+    within("b held on its way", b_gate.held()).await; // Sent with `owner`.
+    assert!(a_gate.cut());
+    wait_for_owner_change(&t, owner).await;
+    assert_ne!(store.owner_id(), owner, "a new owner id fenced the broken write off");
+    b_gate.release(); // Reaches a row with another id: refused, then sent again.
     within("b", b).await.unwrap().expect("sent again with the new owner id");
-    within("slow", slow).await.unwrap().expect("retried once the orphan was fenced off");
+    within("k", a).await.unwrap().expect("retried once it was fenced off");
     assert_eq!(value_of(&t, "b").await, b"b");
+    assert_eq!(value_of(&t, "k").await, b"v1");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     assert_eq!(lease_row_owner(&t).await, store.owner_id());
     store.close().await.unwrap();

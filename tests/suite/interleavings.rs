@@ -34,7 +34,7 @@ pub(crate) async fn proxied_store(
 }
 
 /// The store's fenced writes to `table` (`sql::WRITE`, and `BATCH_PUT` for coalesced ones).
-fn writes_to(table: &str) -> GateMatch {
+pub(crate) fn writes_to(table: &str) -> GateMatch {
     GateMatch::sql_contains(format!("INSERT INTO \"{table}\""))
 }
 
