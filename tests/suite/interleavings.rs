@@ -79,7 +79,7 @@ pub(crate) async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
     common::wait_for_row("the owner id change committed", &sql, &[&owner]).await
 }
 
-/// Item 1 of issue 27. A renewal carries the store's owner ids as they were when it was sent.
+/// Issue 27, item 2 (renewal). A renewal carries the store's owner ids as they were when it was sent.
 /// Here it is held on its way while the store changes its id to fence off a broken write.
 /// Then it reaches the server, whose row holds an id it did not carry. That is the store's own
 /// change, not a takeover: the lease stays held and later writes succeed.
@@ -117,7 +117,7 @@ async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
     store.close().await.unwrap();
 }
 
-/// Item 2 of issue 27. `close()` releases by owner id, with the ids it had when the release
+/// Issue 27, item 2 (release). `close()` releases by owner id, with the ids it had when the release
 /// was sent. Here the release is held on its way while the store changes its id to fence off
 /// a broken write. Then it reaches the server. The row holds the store's new id, and must be
 /// released all the same, so that a new store opens at once.
@@ -196,7 +196,7 @@ async fn wait_for_sleepers(table: &str, n: i64, port: u16) {
     common::wait_for_row("slow statements running", sql, &[&pattern, &n, &i32::from(port)]).await
 }
 
-/// Item 3 of issue 27. The store's change of owner id needs the lease row exclusively. Its own
+/// Issue 27, item 1. The store's change of owner id needs the lease row exclusively. Its own
 /// writes take the row FOR KEY SHARE, and PostgreSQL grants them that while the change waits.
 /// Writes that overlap without a gap would starve the change for good.
 ///
