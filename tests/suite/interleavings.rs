@@ -79,8 +79,8 @@ pub(crate) async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
     common::wait_for_row("the owner id change committed", &sql, &[&owner]).await
 }
 
-/// Issue 27, item 2 (renewal). A renewal carries the store's owner ids as they were when it was sent.
-/// Here it is held on its way while the store changes its id to fence off a broken write.
+/// Issue 27, item 2 (renewal). A renewal carries the store's owner ids as they were when it
+/// was sent. Here it is held on its way while the store changes its id to fence off a broken write.
 /// Then it reaches the server, whose row holds an id it did not carry. That is the store's own
 /// change, not a takeover: the lease stays held and later writes succeed.
 ///
