@@ -1699,6 +1699,25 @@ fn doctor_reports_the_session_defaults_pgfence_overrides() {
     query(&admin, &format!("DROP ROLE {role}"));
 }
 
+/// `doctor` names a database's default too (`ALTER DATABASE .. SET`), the third source a
+/// session default comes from.
+#[test]
+fn doctor_reports_a_database_default_pgfence_overrides() {
+    let (table, db) = (unique_name("cli_dboverrides"), unique_name("cli_weakdb"));
+    let admin = server().config();
+    query(&admin, &format!("CREATE DATABASE {db}"));
+    query(&admin, &format!("ALTER DATABASE {db} SET synchronous_commit = off"));
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    let user = admin.get_user().expect("the administrator's name");
+    let url = format!("host={} port={} user={user} dbname={db}", addr.ip(), addr.port());
+    let ran = run(&url, &table, &["doctor", "--json"], None);
+    let report: Value = serde_json::from_slice(&ran.expect(0, "doctor").stdout).unwrap();
+    let (status, detail) = doctor_check(&report, "session overrides");
+    assert_eq!(status, "pass", "{report}");
+    assert!(detail.contains("synchronous_commit = off (set by the database)"), "{report}");
+    query(&admin, &format!("DROP DATABASE {db} WITH (FORCE)"));
+}
+
 /// The status and detail of check `name` of a `doctor --json` report.
 fn doctor_check(report: &Value, name: &str) -> (String, String) {
     let checks = report["checks"].as_array().expect("checks");

@@ -20,12 +20,16 @@ use pgfence::{PgKvStore, PoolMode};
 use pgfence_testing::PgBouncer;
 
 /// Records `synchronous_commit`, `transaction_isolation` and the client's statement at the
-/// commit of every change to `t`, into `<t>_commits`.
+/// commit of every change to `t`, into `<t>_commits` (in the test server's database).
 async fn record_commit_settings(t: &str) {
-    admin()
-        .await
-        .batch_execute(&format!(
-            "CREATE TABLE \"{t}_commits\" (op TEXT, sync TEXT, isolation TEXT, query TEXT);
+    record_commit_settings_in(&admin().await, t).await
+}
+
+/// [`record_commit_settings`] in the database of `db`.
+async fn record_commit_settings_in(db: &tokio_postgres::Client, t: &str) {
+    db.batch_execute(&format!(
+        "CREATE TABLE \"{t}_commits\" (op TEXT, sync TEXT, isolation TEXT, query TEXT);
+             GRANT INSERT ON \"{t}_commits\" TO PUBLIC;
              CREATE FUNCTION \"{t}_record\"() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
                  INSERT INTO \"{t}_commits\" VALUES (TG_OP,
@@ -44,15 +48,16 @@ async fn record_commit_settings(t: &str) {
              CREATE CONSTRAINT TRIGGER record AFTER INSERT OR UPDATE OR DELETE ON \"{t}\"
                  DEFERRABLE INITIALLY DEFERRED
                  FOR EACH ROW EXECUTE FUNCTION \"{t}_record\"();"
-        ))
-        .await
-        .unwrap();
+    ))
+    .await
+    .unwrap();
 }
 
-/// Every commit recorded on `t`: (operation, synchronous_commit, isolation).
-async fn commits(t: &str) -> Vec<(String, String, String)> {
+/// Every commit recorded on `t` in the database of `db`: (operation, synchronous_commit,
+/// isolation).
+async fn commits(db: &tokio_postgres::Client, t: &str) -> Vec<(String, String, String)> {
     let sql = format!("SELECT op, sync, isolation FROM \"{t}_commits\"");
-    let rows = admin().await.query(&sql, &[]).await.unwrap();
+    let rows = db.query(&sql, &[]).await.unwrap();
     rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect()
 }
 
@@ -77,7 +82,7 @@ async fn forget_commits(t: &str) {
 /// through their fenced functions (`true`) or none did (`false`).
 async fn check_commits_through_functions(store: &PgKvStore, t: &str, sync: &str, called: bool) {
     forget_commits(t).await;
-    check_every_mutation_commits(store, t, sync).await;
+    check_every_mutation_commits(&admin().await, store, t, sync).await;
     let (mut ops, all) = function_commits(t).await;
     ops.sort();
     ops.dedup();
@@ -87,8 +92,13 @@ async fn check_commits_through_functions(store: &PgKvStore, t: &str, sync: &str,
 }
 
 /// A write, an overwrite, a coalesced pair, a batch and a remove on `store`: each returns
-/// `Ok`, and each commit on `t` obeyed `sync` at read committed.
-async fn check_every_mutation_commits(store: &PgKvStore, t: &str, sync: &str) {
+/// `Ok`, and each commit on `t` (in the database of `db`) obeyed `sync` at read committed.
+async fn check_every_mutation_commits(
+    db: &tokio_postgres::Client,
+    store: &PgKvStore,
+    t: &str,
+    sync: &str,
+) {
     store.write("d", "s", "a", b"1".to_vec()).await.unwrap();
     store.write("d", "s", "a", b"2".to_vec()).await.unwrap();
     let (x, y) = tokio::join!(
@@ -99,7 +109,7 @@ async fn check_every_mutation_commits(store: &PgKvStore, t: &str, sync: &str) {
     y.unwrap();
     store.batch().put("d", "s", "b", b"b".to_vec()).remove("d", "s", "x").commit().await.unwrap();
     store.remove("d", "s", "a", false).await.unwrap();
-    let commits = commits(t).await;
+    let commits = commits(db, t).await;
     let ops: Vec<&str> = commits.iter().map(|(op, _, _)| op.as_str()).collect();
     for op in ["INSERT", "UPDATE", "DELETE"] {
         assert!(ops.contains(&op), "a commit of each kind was recorded: {commits:?}");
@@ -144,7 +154,7 @@ async fn ok_is_durable_whatever_the_role_and_the_session_set() {
             .await
             .unwrap();
         record_commit_settings(&t).await;
-        check_every_mutation_commits(&store, &t, sync).await;
+        check_every_mutation_commits(&admin, &store, &t, sync).await;
         store.close().await.unwrap();
     }
     admin
@@ -153,6 +163,38 @@ async fn ok_is_durable_whatever_the_role_and_the_session_set() {
         ))
         .await
         .unwrap();
+}
+
+/// A store in a database whose defaults ask for asynchronous commits at serializable
+/// (`ALTER DATABASE .. SET`): its changes commit durably, at read committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_is_durable_whatever_the_database_set() {
+    let (config, db) = common::own_database("durdb").await;
+    let name = config.get_dbname().unwrap().to_owned();
+    db.batch_execute(&format!(
+        "ALTER DATABASE \"{name}\" SET synchronous_commit = off;
+         ALTER DATABASE \"{name}\" SET default_transaction_isolation = serializable;"
+    ))
+    .await
+    .unwrap();
+    let t = table("durdb");
+    let store = PgKvStore::builder_from_config(config.clone())
+        .table(&t)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap();
+    // A new session of that database has the defaults the store overrides.
+    let (probe, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let row = probe.query_one("SHOW synchronous_commit", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "off");
+    record_commit_settings_in(&db, &t).await;
+    check_every_mutation_commits(&db, &store, &t, "on").await;
+    store.close().await.unwrap();
+    drop(probe);
+    connection.await.unwrap().unwrap();
 }
 
 /// A store on an application's pool, whose connections default to asynchronous commits, at
@@ -294,7 +336,7 @@ async fn fence_and_release_commit_durably_whatever_a_transaction_poolers_other_c
 
     let (_, _, expires_in) = common::lease_row(&admin().await, &t).await;
     assert!(expires_in <= 0, "released: {expires_in} ms left");
-    let commits = commits(&lease).await;
+    let commits = commits(&admin().await, &lease).await;
     let updates = commits.iter().filter(|(op, _, _)| op == "UPDATE").count();
     assert!(updates >= 2, "the change of owner id and the release: {commits:?}");
     for (op, sync, isolation) in &commits {
