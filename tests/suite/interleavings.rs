@@ -168,13 +168,16 @@ async fn release_racing_the_stores_own_id_change_releases_the_lease() {
 /// Makes every insert into `table` of a value starting with `slow` sleep inside its statement,
 /// after the statement took the lease row FOR KEY SHARE (a BEFORE INSERT trigger runs once
 /// the insert has a row to insert, read from the locked lease row). Key `k` sleeps 2 s, the
-/// others 0.9 s.
+/// others 0.9 s. Each insert records in `<table>_seen` its key and the owner id of the lease
+/// row it locked: the id it was sent with.
 async fn slow_inserts(table: &str) {
     admin()
         .await
         .batch_execute(&format!(
-            "CREATE FUNCTION \"{table}_slow\"() RETURNS trigger LANGUAGE plpgsql AS $$
+            "CREATE TABLE \"{table}_seen\" (key TEXT, owner_id UUID);
+             CREATE FUNCTION \"{table}_slow\"() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
+                 INSERT INTO \"{table}_seen\" SELECT NEW.key, owner_id FROM \"{table}_lease\";
                  IF substring(NEW.value FROM 1 FOR 4) = 'slow'::bytea THEN
                      PERFORM pg_sleep(CASE WHEN NEW.key = 'k' THEN 2 ELSE 0.9 END);
                  END IF;
@@ -205,6 +208,10 @@ async fn wait_for_sleepers(table: &str, n: i64, port: u16) {
 /// server. The store must fence it off all the same: no fail-closed, the broken write's retry
 /// succeeds, and the later call of `k` stands. `retry_for` (the TTL, 6 s) bounds how long the
 /// store may try.
+///
+/// The writes start once the change waits for the row. None of them takes the row with the
+/// old id: the change waits only for the two statements already in flight (`k`, 2 s, and one
+/// other), and every write started meanwhile goes out after it, with the new id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owner_change_is_not_starved_by_the_stores_own_writes() {
     let (t, proxy, store) =
@@ -221,6 +228,9 @@ async fn owner_change_is_not_starved_by_the_stores_own_writes() {
     wait_for_sleepers(&t, 2, port).await; // k, and another write beside it.
     assert!(gate.cut()); // k sleeps on in its server session.
     let later = tokio::spawn(store.write("r", "s", "k", b"later".to_vec()));
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    let change = format!("%UPDATE \"{t}_lease\"%SET owner_id = $2%");
+    common::wait_for_row("the change of owner id waits for the row", sql, &[&change]).await;
 
     let mut every = tokio::time::interval(Duration::from_millis(300));
     let mut broken = std::pin::pin!(broken);
@@ -243,6 +253,10 @@ async fn owner_change_is_not_starved_by_the_stores_own_writes() {
     assert_eq!(store.read("r", "s", "k").await.unwrap(), b"later", "the later call stands");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     assert_ne!(store.owner_id(), owner, "the broken write was fenced off by a new id");
+    let sql = format!("SELECT key FROM \"{t}_seen\" WHERE owner_id = $1 ORDER BY key");
+    let rows = admin().await.query(&sql, &[&owner]).await.unwrap();
+    let old: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(old, ["b0", "k"], "only the statements in flight took the row with the old id");
     store.close().await.unwrap();
 }
 
