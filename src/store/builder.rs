@@ -167,7 +167,10 @@ impl Builder {
 
     /// The KV table, `table` or `schema.table` (default `pgfence_kv`). Each part must match
     /// `[A-Za-z_][A-Za-z0-9_]*`, at most 48 characters; names are always quoted, so case is
-    /// kept. The lease lives in `<table>_lease`, the schema version in `<table>_schema_version`.
+    /// kept. The lease lives in `<table>_lease`, the schema version in `<table>_schema_version`,
+    /// the crash marker of deferred writes in `<table>_crash_marker`. A name ending in one that
+    /// another store derives (`t_lease` is store `t`'s lease table) is refused with
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) before anything is sent.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
