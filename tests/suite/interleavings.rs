@@ -38,6 +38,12 @@ pub(crate) fn writes_to(table: &str) -> GateMatch {
     GateMatch::sql_contains(format!("INSERT INTO \"{table}\""))
 }
 
+/// The store's single writes to `table` behind a transaction pooler: calls of the table's
+/// fenced function (`sql::WRITE_CALL`).
+fn write_calls_to(table: &str) -> GateMatch {
+    GateMatch::sql_contains(format!("\"{table}_fenced_write\"("))
+}
+
 /// The store's renewal of the lease of `table` (`sql::RENEW`): the only statement that sets
 /// `expires_at` to a new TTL from now with a single space before `=`.
 fn renewal_of(table: &str) -> GateMatch {
@@ -117,8 +123,62 @@ async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
     store.close().await.unwrap();
 }
 
-/// Issue 27, item 2 (release). `close()` releases by owner id, with the ids it had when the release
-/// was sent. Here the release is held on its way while the store changes its id to fence off
+/// The same race behind a transaction pooler (`PoolMode::Transaction`), where the issue first
+/// saw it: there a renewal runs in a pipelined transaction of its own, and a single write is a
+/// call of the table's fenced function. The renewal is held on its way after its `BEGIN`; the
+/// store's change of owner id commits on another server session; then the renewal reaches the
+/// row. The lease stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_keeps_the_lease() {
+    let server = TestServer::shared().unwrap();
+    let bouncer = pgfence_testing::PgBouncer::start_sized(
+        server.tcp_addr().unwrap(),
+        pgfence_testing::PoolMode::Transaction,
+        4,
+    )
+    .unwrap();
+    let proxy = Proxy::start(bouncer.addr()).await.unwrap();
+    let t = table("renewracetx");
+    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+        .table(&t)
+        .pool_mode(pgfence::PoolMode::Transaction)
+        .pool_size(2)
+        .lease_ttl(Duration::from_secs(30))
+        .renew_interval(Duration::from_secs(4))
+        .open()
+        .await
+        .unwrap();
+    store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    let renewal = proxy.gate(renewal_of(&t), Hold::Statement);
+    let owner = store.owner_id();
+    let write_gate = proxy.gate(write_calls_to(&t), Hold::Answer);
+    let write = tokio::spawn(store.write("r", "s", "k", b"v1".to_vec()));
+    within("the write held", write_gate.held()).await;
+    let sql = format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' AND value = 'v1'");
+    common::wait_for_row("the write committed", &sql, &[]).await;
+    within("the first renewal held", renewal.held()).await; // Sent with `owner` only.
+    assert!(write_gate.cut());
+    wait_for_owner_change(&t, owner).await;
+    renewal.release();
+
+    within("the renewal answered", async {
+        let held = || matches!(*store.lease_state().borrow(), LeaseState::Held { .. });
+        while store.stats().renewals.ok == 0 && held() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let state = store.lease_state().borrow().clone();
+    assert_eq!(state, LeaseState::Held { epoch: 1 }, "the store's own id change is no takeover");
+    within("the broken write", write).await.unwrap().expect("retried after the fence");
+    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
+    assert_eq!(row_owner, store.owner_id());
+    assert!(expires_in > 20_000, "renewed for a whole TTL: {expires_in} ms left");
+    store.close().await.unwrap();
+}
+
+/// Issue 27, item 2 (release). `close()` releases by owner id, with the ids it had when the
+/// release was sent. Here the release is held on its way while the store changes its id to fence off
 /// a broken write. Then it reaches the server. The row holds the store's new id, and must be
 /// released all the same, so that a new store opens at once.
 ///
