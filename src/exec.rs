@@ -514,7 +514,7 @@ impl Executor {
                 // while it waited, and its `synchronous_commit = off` could lose it in a crash.
                 let own = self.pool.own_sessions();
                 let changed =
-                    self.pool.mode().query_pinned(&***client, statement, &params, own).await;
+                    self.pool.mode().query_pinned(&client, statement, &params, own).await;
                 client.answered(); // Answered, an error included.
                 changed.map_err(Error::db(operation))
             };
