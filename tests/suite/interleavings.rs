@@ -123,13 +123,14 @@ async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
     store.close().await.unwrap();
 }
 
-/// The same race behind a transaction pooler (`PoolMode::Transaction`), where the issue first
-/// saw it: there a renewal runs in a pipelined transaction of its own, and a single write is a
-/// call of the table's fenced function. The renewal is held on its way after its `BEGIN`; the
-/// store's change of owner id commits on another server session; then the renewal reaches the
-/// row. The lease stays held.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_keeps_the_lease() {
+/// A store on a fresh table behind a transaction pooler (`PoolMode::Transaction`), through a
+/// proxy of its own in front of PgBouncer, with `k` = `first`. A renewal there runs in a
+/// pipelined transaction of its own, and a single write is a call of the table's fenced
+/// function. The pooler is returned with the store: dropping it stops it.
+async fn pooled_store(
+    prefix: &str,
+    configure: impl FnOnce(pgfence::Builder) -> pgfence::Builder,
+) -> (String, pgfence_testing::PgBouncer, Proxy, PgKvStore) {
     let server = TestServer::shared().unwrap();
     let bouncer = pgfence_testing::PgBouncer::start_sized(
         server.tcp_addr().unwrap(),
@@ -138,24 +139,42 @@ async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_kee
     )
     .unwrap();
     let proxy = Proxy::start(bouncer.addr()).await.unwrap();
-    let t = table("renewracetx");
-    let store = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
+    let t = table(prefix);
+    let builder = PgKvStore::builder_from_config(server.config_via(proxy.addr()))
         .table(&t)
         .pool_mode(pgfence::PoolMode::Transaction)
         .pool_size(2)
-        .lease_ttl(Duration::from_secs(30))
-        .renew_interval(Duration::from_secs(4))
-        .open()
-        .await
-        .unwrap();
+        .lease_ttl(Duration::from_secs(30));
+    let store = configure(builder).open().await.unwrap();
     store.write("r", "s", "k", b"first".to_vec()).await.unwrap();
+    (t, bouncer, proxy, store)
+}
+
+/// [`write_committed_unanswered`] behind a transaction pooler: the write is a call of the
+/// table's fenced function.
+async fn call_committed_unanswered(
+    proxy: &Proxy,
+    store: &PgKvStore,
+    table: &str,
+) -> (Gate, JoinHandle<pgfence::Result<()>>) {
+    let gate = proxy.gate(write_calls_to(table), Hold::Answer);
+    let write = tokio::spawn(store.write("r", "s", "k", b"v1".to_vec()));
+    within("the write held", gate.held()).await;
+    let sql = format!("SELECT 1 FROM \"{table}\" WHERE key = 'k' AND value = 'v1'");
+    common::wait_for_row("the write committed", &sql, &[]).await;
+    (gate, write)
+}
+
+/// The same race behind a transaction pooler, where the issue first saw it. The renewal is
+/// held on its way after its `BEGIN`; the store's change of owner id commits on another server
+/// session; then the renewal reaches the row. The lease stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_keeps_the_lease() {
+    let (t, _bouncer, proxy, store) =
+        pooled_store("renewracetx", |b| b.renew_interval(Duration::from_secs(4))).await;
     let renewal = proxy.gate(renewal_of(&t), Hold::Statement);
     let owner = store.owner_id();
-    let write_gate = proxy.gate(write_calls_to(&t), Hold::Answer);
-    let write = tokio::spawn(store.write("r", "s", "k", b"v1".to_vec()));
-    within("the write held", write_gate.held()).await;
-    let sql = format!("SELECT 1 FROM \"{t}\" WHERE key = 'k' AND value = 'v1'");
-    common::wait_for_row("the write committed", &sql, &[]).await;
+    let (write_gate, write) = call_committed_unanswered(&proxy, &store, &t).await;
     within("the first renewal held", renewal.held()).await; // Sent with `owner` only.
     assert!(write_gate.cut());
     wait_for_owner_change(&t, owner).await;
@@ -186,33 +205,60 @@ async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_kee
 /// same bounds the release, so the race runs within it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_racing_the_stores_own_id_change_releases_the_lease() {
-    let (t, proxy, store) = proxied_store("releaserace", |b| {
-        b.renew_interval(Duration::from_secs(10)).drop_timeout(Duration::from_secs(3))
-    })
-    .await;
-    let owner = store.owner_id();
+    let (t, proxy, store) = proxied_store("releaserace", release_race_timers).await;
     let (write_gate, write) = write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
-    let release = proxy.gate(release_of(&t), Hold::Statement);
+    release_race(&t, &proxy, store, write_gate, write).await;
+}
+
+/// The same race behind a transaction pooler: there the release runs in a pipelined
+/// transaction of its own, pinned to read committed, on whichever server session the pooler
+/// gives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_racing_the_stores_own_id_change_behind_a_transaction_pooler_releases_the_lease()
+{
+    let (t, _bouncer, proxy, store) = pooled_store("releaseracetx", release_race_timers).await;
+    let (write_gate, write) = call_committed_unanswered(&proxy, &store, &t).await;
+    release_race(&t, &proxy, store, write_gate, write).await;
+}
+
+/// The timers of the release races: no renewal during the race, and `close()` gives up
+/// waiting for the unanswered write after 3 s.
+fn release_race_timers(builder: pgfence::Builder) -> pgfence::Builder {
+    builder.renew_interval(Duration::from_secs(10)).drop_timeout(Duration::from_secs(3))
+}
+
+/// The release races above, once the write to `k` is committed and its answer held at `proxy`
+/// by `write_gate`: close, hold the release, cut the write, let the change of id commit, then
+/// let the release go on. The row must be released, and a new store open at once.
+async fn release_race(
+    t: &str,
+    proxy: &Proxy,
+    store: PgKvStore,
+    write_gate: Gate,
+    write: JoinHandle<pgfence::Result<()>>,
+) {
+    let owner = store.owner_id();
+    let release = proxy.gate(release_of(t), Hold::Statement);
     let closing = tokio::spawn({
         let store = store.clone();
         async move { store.close().await }
     });
     within("the release held", release.held()).await; // Sent with `owner` only.
     assert!(write_gate.cut());
-    wait_for_owner_change(&t, owner).await;
+    wait_for_owner_change(t, owner).await;
     release.release();
 
     let closed = within("close", closing).await.unwrap();
     // `Timeout`: close() released while the write was still running, as it says.
     assert!(matches!(closed, Ok(()) | Err(Error::Timeout { .. })), "close: {closed:?}");
     assert!(matches!(*store.lease_state().borrow(), LeaseState::Released { .. }));
-    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
+    let (row_owner, _, expires_in) = lease_row(&admin().await, t).await;
     assert!(
         expires_in <= 0,
         "close() released the row, held by the store's new id {row_owner}: it expires in \
          {expires_in} ms"
     );
-    let next = within("a new store opens", builder(&t).open()).await.expect("opens at once");
+    let next = within("a new store opens", builder(t).open()).await.expect("opens at once");
     assert_eq!(next.fencing_token(), 2);
     let write = within("the broken write", write).await.unwrap();
     assert!(
