@@ -513,8 +513,7 @@ impl Executor {
                 // neighbour's serializable would fail it (40001) when a renewal changed the row
                 // while it waited, and its `synchronous_commit = off` could lose it in a crash.
                 let own = self.pool.own_sessions();
-                let changed =
-                    self.pool.mode().query_pinned(&client, statement, &params, own).await;
+                let changed = self.pool.mode().query_pinned(&client, statement, &params, own).await;
                 client.answered(); // Answered, an error included.
                 changed.map_err(Error::db(operation))
             };

@@ -214,8 +214,7 @@ async fn release_racing_the_stores_own_id_change_releases_the_lease() {
 /// transaction of its own, pinned to read committed, on whichever server session the pooler
 /// gives it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn release_racing_the_stores_own_id_change_behind_a_transaction_pooler_releases_the_lease()
-{
+async fn release_racing_the_stores_own_id_change_behind_a_transaction_pooler_releases_the_lease() {
     let (t, _bouncer, proxy, store) = pooled_store("releaseracetx", release_race_timers).await;
     let (write_gate, write) = call_committed_unanswered(&proxy, &store, &t).await;
     release_race(&t, &proxy, store, write_gate, write).await;
