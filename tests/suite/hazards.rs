@@ -45,15 +45,30 @@ async fn wait_for_sleeper(table: &str) {
     common::wait_for_row("slow statement running", sql, &[&pattern]).await
 }
 
+/// Waits until no server process runs a statement on `table` (or, by name, on its lease table
+/// or functions) but the waiting one: an orphaned statement has ended by then, committed or
+/// not. Deterministic where a sleep only makes its end likely.
+async fn wait_until_no_statement_on(table: &str) {
+    let pattern = format!("%\"{table}%");
+    let sql = "SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity \
+               WHERE state = 'active' AND query LIKE $1 AND pid <> pg_backend_pid())";
+    common::wait_for_row("no statement on the table", sql, &[&pattern]).await
+}
+
 /// Makes the store's pool open `n` connections (writes held up together by a lock on the lease
 /// row), so that the next operations are spread over different connections: two statements on
-/// one connection would run in order anyway and hide an ordering bug.
+/// one connection would run in order anyway and hide an ordering bug. Each of the `n` writes
+/// runs its own statement (as many as the store's `write_concurrency`); the lock is let go
+/// once all `n` wait for it.
 async fn warm_pool(store: &PgKvStore, table: &str, n: usize) {
     let mut blocker = admin().await;
     let tx = common::lock_lease_row(&mut blocker, table, "FOR UPDATE").await;
     let writes: Vec<_> =
         (0..n).map(|i| tokio::spawn(store.write("warm", "s", &format!("w{i}"), vec![]))).collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1 \
+               HAVING count(*) >= $2";
+    let pattern = format!("%INSERT INTO \"{table}\"%");
+    common::wait_for_row("the warm-up writes wait", sql, &[&pattern, &(n as i64)]).await;
     tx.rollback().await.unwrap();
     for w in writes {
         within("warm-up write", w).await.unwrap().unwrap();
@@ -127,8 +142,8 @@ async fn orphaned_statement_cannot_overwrite_a_later_call(batch: bool, route: Ro
     assert_ne!(store.owner_id(), owner, "a new owner id fenced the old statement off");
     assert_eq!(lease_row_owner(&t).await, store.owner_id());
     store.write("o", "s", "k", b"later".to_vec()).await.unwrap();
-    // Long enough for an orphaned statement to have committed, had it survived.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // An orphaned statement that survived would commit before it ended.
+    wait_until_no_statement_on(&t).await;
     assert_eq!(value_of(&t, "k").await, b"later", "the later call's value stands");
     assert_eq!(*store.lease_state().borrow(), LeaseState::Held { epoch: 1 });
     store.close().await.unwrap();
@@ -208,7 +223,7 @@ async fn dropped_write_future_cannot_overwrite_a_later_call() {
     .await;
     assert!(timed_out.is_err(), "the slow write was still running when its future was dropped");
     store.write("d", "s", "k", b"later".to_vec()).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_until_no_statement_on(&t).await;
     assert_eq!(value_of(&t, "k").await, b"later");
     store.close().await.unwrap();
 }
