@@ -1683,12 +1683,16 @@ fn doctor_reports_the_session_defaults_pgfence_overrides() {
     let report: Value = serde_json::from_slice(&ran.expect(0, "doctor").stdout).unwrap();
     let (status, detail) = doctor_check(&report, "session overrides");
     assert_eq!(status, "pass", "{report}");
-    assert!(detail.contains("synchronous_commit = off (set by the role)"), "{report}");
-    assert!(
-        detail.contains("default_transaction_isolation = serializable (set by the connection's"),
+    assert_eq!(
+        detail,
+        format!(
+            "ALTER ROLE {role} SET synchronous_commit = off: pgfence commits its own writes \
+             with on; default_transaction_isolation = serializable in the connection's \
+             options: pgfence runs its own transactions at read committed; other clients keep \
+             them"
+        ),
         "{report}"
     );
-    assert!(detail.contains("pgfence overrides these"), "{report}");
     let (status, detail) = doctor_check(&report, "synchronous_commit");
     assert!(status == "pass" && detail.starts_with("off;"), "{report}");
     run(&url, &table, &["put", "a", "b", "c", "v"], None).expect(0, "put through the role");
@@ -1699,23 +1703,150 @@ fn doctor_reports_the_session_defaults_pgfence_overrides() {
     query(&admin, &format!("DROP ROLE {role}"));
 }
 
-/// `doctor` names a database's default too (`ALTER DATABASE .. SET`), the third source a
-/// session default comes from.
+/// `doctor` names a database's defaults too (`ALTER DATABASE .. SET`), the third source a
+/// session default comes from: each setting pgfence overrides, isolation included.
 #[test]
 fn doctor_reports_a_database_default_pgfence_overrides() {
     let (table, db) = (unique_name("cli_dboverrides"), unique_name("cli_weakdb"));
     let admin = server().config();
-    query(&admin, &format!("CREATE DATABASE {db}"));
-    query(&admin, &format!("ALTER DATABASE {db} SET synchronous_commit = off"));
-    let addr = server().tcp_addr().expect("the test server's TCP address");
-    let user = admin.get_user().expect("the administrator's name");
-    let url = format!("host={} port={} user={user} dbname={db}", addr.ip(), addr.port());
-    let ran = run(&url, &table, &["doctor", "--json"], None);
-    let report: Value = serde_json::from_slice(&ran.expect(0, "doctor").stdout).unwrap();
+    for sql in [
+        format!("CREATE DATABASE {db}"),
+        format!("ALTER DATABASE {db} SET synchronous_commit = off"),
+        format!("ALTER DATABASE {db} SET default_transaction_isolation = serializable"),
+    ] {
+        query(&admin, &sql);
+    }
+    let report = doctor_report(&url_for_database(&db), &table);
     let (status, detail) = doctor_check(&report, "session overrides");
     assert_eq!(status, "pass", "{report}");
-    assert!(detail.contains("synchronous_commit = off (set by the database)"), "{report}");
+    assert_eq!(
+        detail,
+        format!(
+            "ALTER DATABASE {db} SET synchronous_commit = off: pgfence commits its own writes \
+             with on; ALTER DATABASE {db} SET default_transaction_isolation = serializable: \
+             pgfence runs its own transactions at read committed; other clients keep them"
+        ),
+        "{report}"
+    );
     query(&admin, &format!("DROP DATABASE {db} WITH (FORCE)"));
+}
+
+/// A database's default hidden by the role's own: `pg_settings` shows only the role's, but
+/// `doctor` names both, read from `pg_db_role_setting`. The role is not a superuser: any role
+/// may read that catalog, unless an administrator revoked that.
+#[test]
+fn doctor_reports_a_database_default_hidden_by_the_role() {
+    let table = unique_name("cli_hidden");
+    let (db, role) = (unique_name("cli_hiddendb"), unique_name("cli_hiddenrole"));
+    let admin = server().config();
+    for sql in [
+        format!("CREATE DATABASE {db}"),
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("ALTER DATABASE {db} SET synchronous_commit = off"),
+        format!("ALTER ROLE {role} SET synchronous_commit = local"),
+    ] {
+        query(&admin, &sql);
+    }
+    let report = doctor_report(&url_for_role_in(&role, &db), &table);
+    let (status, detail) = doctor_check(&report, "session overrides");
+    assert_eq!(status, "pass", "{report}");
+    assert_eq!(
+        detail,
+        format!(
+            "ALTER ROLE {role} SET synchronous_commit = local, ALTER DATABASE {db} SET \
+             synchronous_commit = off (hidden here by the role's value): pgfence commits its \
+             own writes with on; other clients keep them"
+        ),
+        "{report}"
+    );
+    // Where an administrator revoked it (each database has its own grant on a shared catalog),
+    // pg_settings shows only the role's value, and doctor says so.
+    let mut in_db = admin.clone();
+    in_db.dbname(&db);
+    query(&in_db, "REVOKE SELECT ON pg_catalog.pg_db_role_setting FROM PUBLIC");
+    let report = doctor_report(&url_for_role_in(&role, &db), &table);
+    assert_eq!(
+        doctor_check(&report, "session overrides").1,
+        format!(
+            "ALTER ROLE {role} SET synchronous_commit = local: pgfence commits its own writes \
+             with on; other clients keep them; only the values in effect are shown: this role \
+             may not read pg_db_role_setting"
+        ),
+        "{report}"
+    );
+    query(&admin, &format!("DROP DATABASE {db} WITH (FORCE)"));
+    query(&admin, &format!("DROP ROLE {role}"));
+}
+
+/// `ALTER ROLE .. IN DATABASE .. SET`, the strongest of the three levels: named where it
+/// applies, above the database's default it hides, and not in another database.
+#[test]
+fn doctor_reports_a_role_default_in_one_database() {
+    let table = unique_name("cli_roleindb");
+    let (db, role) = (unique_name("cli_roleindb_db"), unique_name("cli_roleindb_role"));
+    let admin = server().config();
+    for sql in [
+        format!("CREATE DATABASE {db}"),
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("ALTER DATABASE {db} SET default_transaction_isolation = serializable"),
+        format!(
+            "ALTER ROLE {role} IN DATABASE {db} SET default_transaction_isolation = \
+             'repeatable read'"
+        ),
+    ] {
+        query(&admin, &sql);
+    }
+    let report = doctor_report(&url_for_role_in(&role, &db), &table);
+    let (status, detail) = doctor_check(&report, "session overrides");
+    assert_eq!(status, "pass", "{report}");
+    assert_eq!(
+        detail,
+        format!(
+            "ALTER ROLE {role} IN DATABASE {db} SET default_transaction_isolation = 'repeatable \
+             read', ALTER DATABASE {db} SET default_transaction_isolation = serializable \
+             (hidden here by the role's value in this database): pgfence runs its own \
+             transactions at read committed; other clients keep them"
+        ),
+        "{report}"
+    );
+    let elsewhere = doctor_report(&url_for_role(&role), &table);
+    assert_eq!(doctor_check(&elsewhere, "session overrides").1, "none", "{elsewhere}");
+    query(&admin, &format!("DROP DATABASE {db} WITH (FORCE)"));
+    query(&admin, &format!("DROP ROLE {role}"));
+}
+
+/// What pgfence keeps is not called overridden: `remote_apply`, stronger than the `on` it
+/// raises weaker values to, and read committed, the level it uses anyway.
+#[test]
+fn doctor_does_not_call_remote_apply_overridden() {
+    let (table, role) = (unique_name("cli_kept"), unique_name("cli_kept_role"));
+    let admin = server().config();
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("ALTER ROLE {role} SET synchronous_commit = remote_apply"),
+        format!("ALTER ROLE {role} SET default_transaction_isolation = 'read committed'"),
+    ] {
+        query(&admin, &sql);
+    }
+    let report = doctor_report(&url_for_role(&role), &table);
+    assert_eq!(doctor_check(&report, "session overrides"), ("pass".into(), "none".into()));
+    let (status, detail) = doctor_check(&report, "synchronous_commit");
+    assert!(status == "pass" && detail == "remote_apply: pgfence keeps it", "{report}");
+    query(&admin, &format!("DROP ROLE {role}"));
+}
+
+/// A key-value connection string of database `db` for `role` (trusted: no password).
+fn url_for_role_in(role: &str, db: &str) -> String {
+    let addr = server().tcp_addr().expect("the test server's TCP address");
+    format!("host={} port={} user={role} dbname={db}", addr.ip(), addr.port())
+}
+
+/// The report of `doctor --json` through `url`. A role that is no superuser may fail its
+/// `privileges` check (PostgreSQL 15 grants no `CREATE` on `public`), so exit 1 is fine too.
+fn doctor_report(url: &str, table: &str) -> Value {
+    let ran = run(url, table, &["doctor", "--json"], None);
+    assert!(matches!(ran.code, Some(0 | 1)), "doctor: {ran:?}");
+    serde_json::from_slice(&ran.stdout).unwrap_or_else(|e| panic!("doctor: {e}: {ran:?}"))
 }
 
 /// The status and detail of check `name` of a `doctor --json` report.

@@ -41,32 +41,191 @@ fn check(name: &'static str, status: Status, detail: impl Into<String>) -> Check
     Check { name, status, detail: detail.into() }
 }
 
-/// What [`SESSION_OVERRIDES`] found. They weaken nothing of pgfence's: it sets both for its own
-/// transactions. They still apply to every other client of the role or database.
-fn overrides_check(rows: &[tokio_postgres::Row]) -> Check {
-    let found: Vec<String> = rows
+/// Where a session default comes from, strongest first: PostgreSQL applies `pg_db_role_setting`
+/// from the role in the database down to all roles, and the connection's options and a `SET`
+/// above them all.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Session,
+    Connection,
+    RoleInDatabase,
+    Role,
+    Database,
+    AllRoles,
+}
+
+impl Level {
+    /// The level a `pg_settings.source` names; `None` for the server's own configuration.
+    fn of_source(source: &str) -> Option<Level> {
+        match source {
+            "session" => Some(Level::Session),
+            "client" => Some(Level::Connection),
+            "database user" => Some(Level::RoleInDatabase),
+            "user" => Some(Level::Role),
+            "database" => Some(Level::Database),
+            "global" => Some(Level::AllRoles),
+            _ => None,
+        }
+    }
+
+    /// The level of a row of `pg_db_role_setting`. A row of neither is `ALTER ROLE ALL SET`;
+    /// `ALTER ROLE ALL IN DATABASE` is stored as `ALTER DATABASE` is.
+    fn of_row(database: bool, role: bool) -> Level {
+        match (database, role) {
+            (true, true) => Level::RoleInDatabase,
+            (false, true) => Level::Role,
+            (true, false) => Level::Database,
+            (false, false) => Level::AllRoles,
+        }
+    }
+
+    /// Whose value it is, for the one that hides another.
+    fn owner(self) -> &'static str {
+        match self {
+            Level::Session => "a SET in this session",
+            Level::Connection => "the connection's options",
+            Level::RoleInDatabase => "the role's value in this database",
+            Level::Role => "the role's value",
+            Level::Database => "the database's value",
+            Level::AllRoles => "the value for all roles",
+        }
+    }
+}
+
+/// One level's value of `synchronous_commit` or `default_transaction_isolation`.
+struct SessionDefault {
+    level: Level,
+    name: String,
+    value: String,
+}
+
+/// The two settings, in the order they are reported, and what pgfence does to a value it
+/// overrides. It raises `off`, `local` and `remote_write` to `on` and keeps `remote_apply`; it
+/// runs at read committed, which `read uncommitted` is in PostgreSQL.
+const OVERRIDDEN: [(&str, &str); 2] = [
+    ("synchronous_commit", "pgfence commits its own writes with on"),
+    ("default_transaction_isolation", "pgfence runs its own transactions at read committed"),
+];
+
+/// Whether pgfence overrides `value` of setting `name`. PostgreSQL reads an enum's value
+/// without regard to case, and takes `synchronous_commit`'s boolean spellings.
+fn overridden(name: &str, value: &str) -> bool {
+    let value = value.trim().to_ascii_lowercase();
+    match name {
+        "synchronous_commit" => {
+            matches!(value.as_str(), "off" | "false" | "no" | "0" | "local" | "remote_write")
+        }
+        _ => matches!(value.as_str(), "repeatable read" | "serializable"),
+    }
+}
+
+/// `value` as SQL: quoted unless it is one plain word.
+fn literal(value: &str) -> String {
+    let plain = !value.is_empty()
+        && value.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    match plain {
+        true => value.to_owned(),
+        false => format!("'{}'", value.replace('\'', "''")),
+    }
+}
+
+/// Where `d` comes from, as the statement or option that set it.
+fn set_by(d: &SessionDefault, role: &str, database: &str) -> String {
+    let (name, value, role, database) = (&d.name, literal(&d.value), ident(role), ident(database));
+    match d.level {
+        Level::Session => format!("SET {name} = {value} in this session"),
+        Level::Connection => format!("{name} = {value} in the connection's options"),
+        Level::RoleInDatabase => {
+            format!("ALTER ROLE {role} IN DATABASE {database} SET {name} = {value}")
+        }
+        Level::Role => format!("ALTER ROLE {role} SET {name} = {value}"),
+        Level::Database => format!("ALTER DATABASE {database} SET {name} = {value}"),
+        Level::AllRoles => format!("ALTER ROLE ALL SET {name} = {value}"),
+    }
+}
+
+/// The `session overrides` check: every level that sets a value pgfence overrides, for the
+/// connecting role in its database. They weaken nothing of pgfence's (docs/design.md,
+/// "Durability of `Ok`"), but still apply to every other client. A value a stronger level hides
+/// is named too: dropping that one brings it back. `in_effect` is each setting's level from
+/// `pg_settings`; `unread` says why only those were read, if so.
+fn overrides_check(
+    found: &[SessionDefault],
+    in_effect: &[(String, Option<Level>)],
+    (role, database): (&str, &str),
+    unread: Option<&str>,
+) -> Check {
+    let mut groups = Vec::new();
+    for (name, action) in OVERRIDDEN {
+        let winner = in_effect.iter().find(|(n, _)| n == name).and_then(|(_, level)| *level);
+        let mut levels: Vec<&SessionDefault> =
+            found.iter().filter(|d| d.name == name && overridden(name, &d.value)).collect();
+        levels.sort_by_key(|d| d.level);
+        let items: Vec<String> = levels
+            .iter()
+            .map(|d| match winner {
+                Some(winner) if winner < d.level => {
+                    format!("{} (hidden here by {})", set_by(d, role, database), winner.owner())
+                }
+                _ => set_by(d, role, database),
+            })
+            .collect();
+        if !items.is_empty() {
+            groups.push(format!("{}: {action}", items.join(", ")));
+        }
+    }
+    let mut detail = match groups.is_empty() {
+        true => "none".to_owned(),
+        false => format!("{}; other clients keep them", groups.join("; ")),
+    };
+    if let Some(unread) = unread {
+        // Only the winning level shows in pg_settings.
+        detail.push_str(&format!("; only the values in effect are shown: {unread}"));
+    }
+    check("session overrides", Status::Pass, detail)
+}
+
+/// Reads what [`overrides_check`] reports: each setting's value and level in this session,
+/// then every role and database level from `pg_db_role_setting`. A role that may not read that
+/// catalog (it is readable by all unless an administrator revoked it) gets the levels in effect.
+async fn session_overrides(client: &tokio_postgres::Client) -> Check {
+    let rows = match client.query_typed(SESSION_DEFAULTS, &[]).await {
+        Ok(rows) => rows,
+        Err(e) => return check("session overrides", Status::Warn, chain(&e)),
+    };
+    let Some(first) = rows.first() else {
+        return check("session overrides", Status::Warn, "pg_settings lists neither setting");
+    };
+    let (role, database): (String, String) = (first.get(3), first.get(4));
+    let in_session: Vec<SessionDefault> = rows
         .iter()
-        .map(|row| {
-            let (name, setting, source): (String, String, String) =
-                (row.get(0), row.get(1), row.get(2));
-            let source = match source.as_str() {
-                "user" => "the role",
-                "database" => "the database",
-                "database user" => "the role in this database",
-                _ => "the connection's options",
-            };
-            format!("{name} = {setting} (set by {source})")
+        .filter_map(|row| {
+            let level = Level::of_source(row.get::<_, &str>(2))?;
+            Some(SessionDefault { level, name: row.get(0), value: row.get(1) })
         })
         .collect();
-    if found.is_empty() {
-        return check("session overrides", Status::Pass, "none");
-    }
-    let detail = format!(
-        "{}; pgfence overrides these for its own writes (synchronous_commit on, read \
-         committed), other clients of this role keep them",
-        found.join(", ")
-    );
-    check("session overrides", Status::Pass, detail)
+    let in_effect: Vec<(String, Option<Level>)> =
+        in_session.iter().map(|d| (d.name.clone(), Some(d.level))).collect();
+    let (found, unread) = match client.query_typed(ROLE_DATABASE_DEFAULTS, &[]).await {
+        Ok(rows) => {
+            let mut found: Vec<SessionDefault> = rows
+                .iter()
+                .map(|row| SessionDefault {
+                    level: Level::of_row(row.get(0), row.get(1)),
+                    name: row.get(2),
+                    value: row.get(3),
+                })
+                .collect();
+            // The catalog holds no connection's options nor a SET.
+            found.extend(in_session.into_iter().filter(|d| d.level <= Level::Connection));
+            (found, None)
+        }
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            (in_session, Some("this role may not read pg_db_role_setting".to_owned()))
+        }
+        Err(e) => (in_session, Some(format!("pg_db_role_setting: {}", chain(&e)))),
+    };
+    overrides_check(&found, &in_effect, (&role, &database), unread.as_deref())
 }
 
 /// The server-side facts `doctor` reads, in one statement: nothing is created or changed.
@@ -82,14 +241,23 @@ const DOCTOR_FACTS: &str = "SELECT
     host(inet_server_addr()),
     inet_server_port()";
 
-/// The session defaults that a role, a database or the connection's options set, and that
-/// pgfence overrides for its own transactions: it commits its writes with at least
-/// `synchronous_commit = on`, at read committed (docs/design.md, "Durability of `Ok`").
-/// `source` names where each comes from; the server's own configuration is not listed.
-const SESSION_OVERRIDES: &str = "SELECT name, setting, source FROM pg_settings
- WHERE name IN ('synchronous_commit', 'default_transaction_isolation')
-   AND source IN ('database', 'user', 'database user', 'client')
- ORDER BY name";
+/// The value of each setting pgfence overrides for its own transactions (docs/design.md,
+/// "Durability of `Ok`"), and where it comes from; the role's name and the database's.
+/// `session_user`: the role whose settings PostgreSQL applied at login.
+const SESSION_DEFAULTS: &str = "SELECT name, setting, source, session_user::text,
+    current_database()::text
+  FROM pg_settings
+ WHERE name IN ('synchronous_commit', 'default_transaction_isolation')";
+
+/// Every value of the two settings that the role and database levels store, for this role in
+/// this database: whether the row names the database, whether it names the role, the name and
+/// the value as written. `pg_settings` shows only the strongest.
+const ROLE_DATABASE_DEFAULTS: &str = "SELECT s.setdatabase <> 0, s.setrole <> 0,
+    lower(split_part(c, '=', 1)), substr(c, strpos(c, '=') + 1)
+  FROM pg_db_role_setting s, unnest(s.setconfig) AS c
+ WHERE s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+   AND s.setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = session_user))
+   AND lower(split_part(c, '=', 1)) IN ('synchronous_commit', 'default_transaction_isolation')";
 
 /// The role and the table's schema: `$1` is the schema given with the table, NULL for an
 /// unqualified name. That one lives in the schema the store creates it in, `current_schema()`
@@ -217,14 +385,12 @@ async fn doctor_checks(builder: Builder, target: &Target, read_only: bool) -> Ve
         "synchronous_commit",
         Status::Pass,
         match sync_commit.as_str() {
-            "on" | "remote_apply" => sync_commit.clone(),
+            "on" => sync_commit.clone(),
+            "remote_apply" => "remote_apply: pgfence keeps it".to_owned(),
             weaker => format!("{weaker}; pgfence commits its own writes with on"),
         },
     ));
-    checks.push(match client.query_typed(SESSION_OVERRIDES, &[]).await {
-        Ok(rows) => overrides_check(&rows),
-        Err(e) => check("session overrides", Status::Warn, chain(&e)),
-    });
+    checks.push(session_overrides(&client).await);
     checks.push(if standbys.trim().is_empty() {
         check(
             "synchronous_standby_names",
@@ -670,5 +836,42 @@ mod tests {
             assert!(status(n) == Status::Warn, "{n}");
         }
         assert!(status(90_624) == Status::Fail);
+    }
+
+    /// Only the values pgfence changes are overridden, in any spelling PostgreSQL takes.
+    #[test]
+    fn overridden_values() {
+        for value in ["off", "FALSE", "no", "0", "local", "remote_write"] {
+            assert!(overridden("synchronous_commit", value), "{value}");
+        }
+        for value in ["on", "true", "remote_apply"] {
+            assert!(!overridden("synchronous_commit", value), "{value}");
+        }
+        for value in ["serializable", "Repeatable Read"] {
+            assert!(overridden("default_transaction_isolation", value), "{value}");
+        }
+        for value in ["read committed", "read uncommitted"] {
+            assert!(!overridden("default_transaction_isolation", value), "{value}");
+        }
+    }
+
+    /// A role that may not read `pg_db_role_setting` gets the levels in effect, and is told so.
+    #[test]
+    fn without_the_catalog_only_the_values_in_effect_show() {
+        let found = [SessionDefault {
+            level: Level::Database,
+            name: "synchronous_commit".to_owned(),
+            value: "off".to_owned(),
+        }];
+        let in_effect = [("synchronous_commit".to_owned(), Some(Level::Database))];
+        let unread = Some("this role may not read pg_db_role_setting");
+        let c = overrides_check(&found, &in_effect, ("svc", "App"), unread);
+        assert_eq!(
+            c.detail,
+            "ALTER DATABASE \"App\" SET synchronous_commit = off: pgfence commits its own writes \
+             with on; other clients keep them; only the values in effect are shown: this role \
+             may not read pg_db_role_setting"
+        );
+        assert_eq!(overrides_check(&[], &[], ("svc", "app"), None).detail, "none", "nothing set");
     }
 }
