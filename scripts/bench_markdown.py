@@ -21,7 +21,10 @@ import textwrap
 
 ORDER = [
     "unfenced",
+    "unfenced-pgb-session",
     "fenced",
+    "fenced-pgb-session",
+    "fenced-pgb-tx",
     "fenced-wc8",
     "deferred",
     "deferred+flush",
@@ -30,6 +33,9 @@ ORDER = [
     "naive",
     "ldk-node",
     "coalesced",
+    "unfenced-pgb-session",
+    "fenced-pgb-session",
+    "fenced-pgb-tx",
 ]
 
 DESCRIPTIONS = {
@@ -175,9 +181,9 @@ def doc_tables(run):
     return "\n".join(out)
 
 
-def target_row(what, run, writers, variant, index, goal, at_least):
-    results = by_key(run)
-    r, base = results.get((writers, variant)), results.get((writers, "unfenced"))
+def target_row(what, run, writers, variant, index, goal, at_least, base="unfenced"):
+    results = by_key(run or {"results": []})
+    r, base = results.get((writers, variant)), results.get((writers, base))
     if not r or not base:
         return f"| {what} | not measured | |"
     rounds = round_ratios(r, base, index)
@@ -194,6 +200,8 @@ def doc(directory):
     meta = json.load(open(f"{directory}/meta.json"))
     runs = {name: json.load(open(f"{directory}/{name}.json")) for name in meta["runs"]}
     proxy, loopback = runs["proxy"], runs["loopback"]
+    pgbouncer = runs.get("pgbouncer")
+    bouncer = (pgbouncer or {}).get("pgbouncer_version") or "PgBouncer"
     rtt = ms(proxy["rtt_p50_us"])
     out = []
     w = out.append
@@ -233,6 +241,13 @@ def doc(directory):
     w(target_row(f"16 writers, ~{rtt} ms round trip: writes/s ≥ 1.0x unfenced", proxy, 16, "fenced", 0, 1.0, True))
     w(target_row(f"64 writers, ~{rtt} ms round trip: writes/s ≥ 3x unfenced", proxy, 64, "fenced", 0, 3.0, True))
     w(target_row("64 writers, TCP loopback: writes/s ≥ 3x unfenced", loopback, 64, "fenced", 0, 3.0, True))
+    w(
+        target_row(
+            f"1 writer through {bouncer.rsplit('.', 1)[0] if bouncer[-1].isdigit() else bouncer}, "
+            "transaction ÷ session mode p50 ≤ 1.15x",
+            pgbouncer, 1, "fenced-pgb-tx", 1, 1.15, False, base="fenced-pgb-session",
+        )
+    )
     w("")
     w("## Machine and commands")
     w("")
@@ -286,6 +301,9 @@ def doc(directory):
         w(run_head(run))
         w("")
         w(doc_tables(run))
+    if pgbouncer:
+        w("")
+        w(through_pgbouncer(pgbouncer))
     w("")
     w(one_writer(proxy, loopback))
     w("")
@@ -316,6 +334,58 @@ ARCHIVE = [
     ("Transaction mode: a fenced function per table (pgbench and a throwaway program)", "transaction-mode-a-fenced-function-per-table-issue-28-2026-12-03"),
     ("Surprises", "surprises"),
 ]
+
+
+def through_pgbouncer(run):
+    """The section on PgBouncer: the store in transaction mode against session mode."""
+    res = by_key(run)
+    version = run.get("pgbouncer_version") or "PgBouncer"
+    out = [
+        "## Through PgBouncer: transaction ÷ session mode",
+        "",
+        run_head(run).replace(f"{run['transport']}, ", "TCP loopback, "),
+        "",
+        f"Two private bouncers ({version}, `pgfence_testing::PgBouncer`) in front of the server. "
+        "**fenced-pgb-session**: the store through the session-mode one. **fenced-pgb-tx**: the "
+        "store through the transaction-mode one, opened with "
+        "`Builder::pool_mode(PoolMode::Transaction)`: a single write is one unnamed call of "
+        "the table's fenced PL/pgSQL function; a shared statement (a queue's writes) runs unnamed "
+        "between `BEGIN` and `COMMIT` in one round trip. Each on a table of its own. "
+        "**fenced** is the store direct, **unfenced-pgb-session** the unfenced upsert through the "
+        "session-mode bouncer. *PgBouncer CPU* is the bouncer's process.",
+        "",
+        "| writers | variant | writes/s | p50 ms | p99 ms | writes/statement | server CPU µs/write "
+        "| PgBouncer CPU µs/write | client CPU µs/write |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cpu = lambda r, k: f"{r[k]:.0f}" if k in r else "–"
+    for r in sorted(run["results"], key=order_key):
+        wps = r.get("writes_per_statement")
+        out.append(
+            f"| {r['writers']} | {r['variant']} | {r['ops_per_sec']:.0f} | {ms(r['p50_us'])} "
+            f"| {ms(r['p99_us'])} | {f'{wps:.2f}' if wps else '1'} "
+            f"| {cpu(r, 'server_cpu_us_per_op')} | {cpu(r, 'pooler_cpu_us_per_op')} "
+            f"| {cpu(r, 'client_cpu_us_per_op')} |"
+        )
+    out += [
+        "",
+        "| writers | transaction ÷ session: writes/s, median of rounds (range) | p50 | whole run: "
+        "writes/s, p50 | server CPU per write |",
+        "|---:|---|---|---|---:|",
+    ]
+    for writers in run["concurrency"]:
+        tx, session = res.get((writers, "fenced-pgb-tx")), res.get((writers, "fenced-pgb-session"))
+        if not tx or not session:
+            continue
+        srv = "server_cpu_us_per_op"
+        cpu_ratio = f"{tx[srv] / session[srv]:.2f}" if srv in tx and srv in session else "–"
+        out.append(
+            f"| {writers} | {median_range(round_ratios(tx, session, 0))} "
+            f"| {median_range(round_ratios(tx, session, 1))} "
+            f"| {tx['ops_per_sec'] / session['ops_per_sec']:.2f}, "
+            f"{tx['p50_us'] / session['p50_us']:.2f} | {cpu_ratio} |"
+        )
+    return "\n".join(out)
 
 
 def one_writer(proxy, loopback):
@@ -427,6 +497,9 @@ def readme(directory):
     meta = json.load(open(f"{directory}/meta.json"))
     proxy = json.load(open(f"{directory}/proxy.json"))
     loopback = json.load(open(f"{directory}/loopback.json"))
+    pgbouncer = (
+        json.load(open(f"{directory}/pgbouncer.json")) if "pgbouncer" in meta.get("runs", []) else None
+    )
     p, l = by_key(proxy), by_key(loopback)
 
     def r(results, writers, variant, index):
@@ -445,8 +518,23 @@ def readme(directory):
         f"On TCP loopback: {r(l, 16, 'fenced', 0)} and {r(l, 64, 'fenced', 0)}. "
         f"With 16 writers, the seed's designs got {r(p, 16, 'naive', 0)} (a transaction that "
         f"renews the lease) and {r(p, 16, 'ldk-node', 0)} (ldk-node's unprepared statement on "
-        "one connection). Ratios are medians of interleaved rounds. [BENCHMARKS.md][bench] has "
-        "the figures, the machine and the command."
+        "one connection). "
+    )
+    if pgbouncer:
+        b = by_key(pgbouncer)
+
+        def tx(writers, index):
+            t, s = b.get((writers, "fenced-pgb-tx")), b.get((writers, "fenced-pgb-session"))
+            return f"{median(round_ratios(t, s, index)):.2f}x" if t and s else "?"
+
+        text += (
+            f"Through {pgbouncer.get('pgbouncer_version') or 'PgBouncer'} on loopback, the store "
+            f"in transaction mode had {tx(1, 1)} the median latency of session mode with one "
+            f"writer, and {tx(16, 0)} its throughput with 16. "
+        )
+    text += (
+        "Ratios are medians of interleaved rounds. [BENCHMARKS.md][bench] has the figures, the "
+        "machine and the command."
     )
     return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False) + "\n"
 

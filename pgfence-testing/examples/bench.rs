@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release -p pgfence-testing --example bench -- [--concurrency 1,4,16]
 //!     [--value-size 1024] [--duration-secs 5] [--rounds 3] [--delay-us N] [--unix] [--json]
-//!     [--database-url URL] [--variants unfenced,fenced,fenced-wc4,solo,pinned,naive,ldk-node]
+//!     [--database-url URL] [--variants unfenced,fenced,fenced-wc4,solo,pinned,naive,ldk-node,
+//!     unfenced-pgb-session,fenced-pgb-session,fenced-pgb-tx]
 //!     [--renew-probe-ms 50] [--sample-waits] [--keys-per-writer 64] [--write-concurrency N]
 //!     [--pool-mode session|transaction] [--trace-inflight] [--trace-ms 100]
 //! ```
@@ -36,6 +37,20 @@
 //!   (prepared again on every write: two round trips), every write on one connection behind a
 //!   mutex.
 //!
+//! Through PgBouncer: a variant named `<variant>-pgb-session` or `<variant>-pgb-tx` (for
+//! `unfenced` and the store's variants: `fenced-pgb-tx`, `fenced-wc8-pgb-session`, ...) connects
+//! through a private PgBouncer (`pgfence_testing::PgBouncer`, Debian's `/usr/sbin/pgbouncer`) in
+//! session or transaction mode, started for the run when a variant needs it, on 127.0.0.1, in
+//! front of the server (with `--delay-us`, behind the proxy: a pooler beside the client). A store
+//! through the transaction-mode bouncer is opened with `Builder::pool_mode(PoolMode::Transaction)`
+//! (whatever `--pool-mode` says): a single write is one unnamed call of the table's fenced
+//! PL/pgSQL function. Each store variant through a bouncer has a table of its own (a lease is per
+//! table); `unfenced-pgb-session` writes the main table through the session-mode bouncer. There is
+//! no `unfenced-pgb-tx`: its prepared statement would not survive PgBouncer 1.18 in transaction
+//! mode. The ratios of a `-pgb-` variant are to `unfenced-pgb-session` when it runs (else to
+//! `unfenced`), and the table adds, per store variant run both ways, transaction ÷ session mode.
+//! The CPU time of each bouncer (one process) is counted per write like the server's.
+//!
 //! Each concurrency level runs every variant for `--duration-secs`, split into `--rounds`
 //! interleaved slices (unfenced, fenced, naive, unfenced, ...) so that drift in the machine's
 //! load hits every variant alike. Reported per variant: throughput, latency percentiles, WAL
@@ -65,14 +80,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pgfence::PgKvStore;
-use pgfence_testing::{Proxy, TestCluster, unique_name};
+use pgfence_testing::{PgBouncer, PoolMode as BouncerMode, Proxy, TestCluster, unique_name};
 use support::{Baseline, BoxError, NS, OneConnection, SUB, json_str, percentile};
 use tokio::sync::watch;
 use tokio_postgres::config::Host;
 
 const USAGE: &str = "usage: bench [--concurrency 1,4,16] [--value-size 1024] [--duration-secs 5] \
 [--rounds 3] [--delay-us N] [--unix] [--json] [--database-url URL] \
-[--variants unfenced,fenced,fenced-wcN,solo,pinned,naive,ldk-node] [--renew-probe-ms 50] \
+[--variants unfenced,fenced,fenced-wcN,solo,pinned,naive,ldk-node,<variant>-pgb-session,\
+<variant>-pgb-tx] [--renew-probe-ms 50] \
 [--sample-waits] [--keys-per-writer 64] [--write-concurrency N] \
 [--pool-mode session|transaction] [--trace-inflight] [--trace-ms 100]";
 
@@ -101,10 +117,10 @@ struct Args {
 /// What the writers of a variant call (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Variant {
-    Unfenced,
-    /// A call of the store's API on the store with this `write_concurrency` (`None`: the one
-    /// `--write-concurrency` sets, else the library's default). Each value opens a store of its
-    /// own ([`StoreKey`]).
+    /// The unfenced upsert, directly or through the session-mode bouncer.
+    Unfenced(Route),
+    /// A call of the store's API on the store of this [`StoreKey`]. Each key opens a store of
+    /// its own.
     Store(StoreApi, StoreKey),
     Solo,
     Pinned,
@@ -112,9 +128,51 @@ enum Variant {
     LdkNode,
 }
 
-/// Which store a [`Variant::Store`] writes through: its `write_concurrency`, `None` for the main
-/// store (the one the baselines take their owner id from).
-type StoreKey = Option<usize>;
+/// How a variant's connections reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Route {
+    /// To the server (or the delay proxy in front of it).
+    Direct,
+    /// Through the private PgBouncer in session mode.
+    PgbSession,
+    /// Through the private PgBouncer in transaction mode.
+    PgbTx,
+}
+
+impl Route {
+    const ALL: [Route; 3] = [Route::Direct, Route::PgbSession, Route::PgbTx];
+
+    /// The end of the names of the variants on this route.
+    fn suffix(self) -> &'static str {
+        match self {
+            Route::Direct => "",
+            Route::PgbSession => "-pgb-session",
+            Route::PgbTx => "-pgb-tx",
+        }
+    }
+
+    /// The bouncer's pool mode, for a route through one.
+    fn bouncer_mode(self) -> Option<BouncerMode> {
+        match self {
+            Route::Direct => None,
+            Route::PgbSession => Some(BouncerMode::Session),
+            Route::PgbTx => Some(BouncerMode::Transaction),
+        }
+    }
+}
+
+/// Which store a [`Variant::Store`] writes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct StoreKey {
+    /// Its `write_concurrency`: `None` for the one `--write-concurrency` sets, else the
+    /// library's default.
+    write_concurrency: Option<usize>,
+    /// How it reaches the server.
+    route: Route,
+}
+
+/// The main store: the one the baselines take their table and owner id from.
+const MAIN: StoreKey = StoreKey { write_concurrency: None, route: Route::Direct };
 
 /// The store call a [`Variant::Store`] times. Its name is the variant's (`fenced`), and
 /// `<name>-wcN` runs it on a store with `write_concurrency` N.
@@ -146,9 +204,13 @@ impl StoreApi {
 impl Variant {
     fn name(self) -> String {
         match self {
-            Variant::Unfenced => "unfenced".into(),
-            Variant::Store(api, None) => api.name().into(),
-            Variant::Store(api, Some(n)) => format!("{}-wc{n}", api.name()),
+            Variant::Unfenced(route) => format!("unfenced{}", route.suffix()),
+            Variant::Store(api, StoreKey { write_concurrency, route }) => format!(
+                "{}{}{}",
+                api.name(),
+                write_concurrency.map_or(String::new(), |n| format!("-wc{n}")),
+                route.suffix()
+            ),
             Variant::Solo => "solo".into(),
             Variant::Pinned => "pinned".into(),
             Variant::Naive => "naive".into(),
@@ -157,24 +219,39 @@ impl Variant {
     }
 
     fn parse(s: &str) -> Result<Variant, String> {
-        match s {
-            "unfenced" => return Ok(Variant::Unfenced),
-            "solo" => return Ok(Variant::Solo),
-            "pinned" => return Ok(Variant::Pinned),
-            "naive" => return Ok(Variant::Naive),
-            "ldk-node" => return Ok(Variant::LdkNode),
+        let (rest, route) = Route::ALL
+            .into_iter()
+            .rev()
+            .find_map(|r| Some((s.strip_suffix(r.suffix()).filter(|_| r != Route::Direct)?, r)))
+            .unwrap_or((s, Route::Direct));
+        let direct = |v: Variant| match route {
+            Route::Direct => Ok(v),
+            _ => Err(format!("variant {s:?}: only unfenced and the store's run through PgBouncer")),
+        };
+        match rest {
+            "unfenced" if route == Route::PgbTx => {
+                return Err(format!(
+                    "variant {s:?}: its prepared statement would not survive PgBouncer 1.18 in \
+                     transaction mode"
+                ));
+            }
+            "unfenced" => return Ok(Variant::Unfenced(route)),
+            "solo" => return direct(Variant::Solo),
+            "pinned" => return direct(Variant::Pinned),
+            "naive" => return direct(Variant::Naive),
+            "ldk-node" => return direct(Variant::LdkNode),
             _ => {}
         }
-        let (api, statements) = match s.split_once("-wc") {
+        let (api, write_concurrency) = match rest.split_once("-wc") {
             Some((api, n)) => {
                 let n: usize =
                     n.parse().map_err(|_| format!("variant {s:?}: -wc needs a number"))?;
                 (api, Some(n.max(1)))
             }
-            None => (s, None),
+            None => (rest, None),
         };
         match StoreApi::ALL.into_iter().find(|a| a.name() == api) {
-            Some(api) => Ok(Variant::Store(api, statements)),
+            Some(api) => Ok(Variant::Store(api, StoreKey { write_concurrency, route })),
             None => Err(format!("unknown variant {s:?}")),
         }
     }
@@ -186,10 +263,20 @@ impl Variant {
             _ => None,
         }
     }
+
+    /// How its connections reach the server.
+    fn route(self) -> Route {
+        match self {
+            Variant::Unfenced(route) | Variant::Store(_, StoreKey { route, .. }) => route,
+            Variant::Solo | Variant::Pinned | Variant::Naive | Variant::LdkNode => Route::Direct,
+        }
+    }
 }
 
 /// The variant of the store's `write` on the main store.
-const FENCED: Variant = Variant::Store(StoreApi::Write, None);
+const FENCED: Variant = Variant::Store(StoreApi::Write, MAIN);
+/// The unfenced baseline, direct.
+const UNFENCED: Variant = Variant::Unfenced(Route::Direct);
 
 fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
@@ -201,7 +288,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         unix: false,
         json: false,
         database_url: None,
-        variants: vec![Variant::Unfenced, FENCED, Variant::Naive],
+        variants: vec![UNFENCED, FENCED, Variant::Naive],
         renew_probe: Some(Duration::from_millis(50)),
         sample_waits: false,
         keys_per_writer: 64,
@@ -280,6 +367,9 @@ fn parse_args() -> Result<Option<Args>, String> {
                     give a socket directory as the host in --database-url or DATABASE_URL)"
             .into());
     }
+    if args.unix && args.variants.iter().any(|v| v.route() != Route::Direct) {
+        return Err("the -pgb- variants need TCP: PgBouncer connects to the server over TCP".into());
+    }
     Ok(Some(args))
 }
 
@@ -288,13 +378,35 @@ fn main() {
 }
 
 /// Where the server is, and what must stay alive (and be stopped at the end) to reach it.
+/// Its fields drop in order: the bouncers, then the proxy they may connect through, then the
+/// server.
 struct Target {
     config: tokio_postgres::Config,
     transport: String,
-    /// The private cluster; dropping it stops the server and deletes its files.
-    _cluster: Option<TestCluster>,
+    /// The bouncers the variants' routes need, each with the configuration through it and its
+    /// process id (for its CPU time), when found.
+    bouncers: BTreeMap<Route, (PgBouncer, tokio_postgres::Config, Option<u32>)>,
+    /// The bouncers' version, from their log (`PgBouncer 1.18.0`).
+    bouncer_version: Option<String>,
     /// The delay proxy, with the runtime its tasks run on.
     _proxy: Option<(Proxy, tokio::runtime::Runtime)>,
+    /// The private cluster; dropping it stops the server and deletes its files.
+    _cluster: Option<TestCluster>,
+}
+
+impl Target {
+    /// The connection configuration of `route`.
+    fn config(&self, route: Route) -> &tokio_postgres::Config {
+        match self.bouncers.get(&route) {
+            Some((_, config, _)) => config,
+            None => &self.config,
+        }
+    }
+
+    /// The process id of `route`'s bouncer, when it has one and it was found.
+    fn pooler_pid(&self, route: Route) -> Option<u32> {
+        self.bouncers.get(&route).and_then(|(_, _, pid)| *pid)
+    }
 }
 
 fn target(args: &Args) -> Result<Target, BoxError> {
@@ -330,7 +442,54 @@ fn target(args: &Args) -> Result<Target, BoxError> {
         config = pgfence_testing::redirect(&config, delay_proxy.addr());
         proxy = Some((delay_proxy, proxy_rt));
     }
-    Ok(Target { config, transport, _cluster: cluster, _proxy: proxy })
+    // The bouncers connect to where the variants would: the server, or the delay proxy.
+    let mut bouncers = BTreeMap::new();
+    let mut bouncer_version = None;
+    let mut routes: Vec<Route> = args.variants.iter().map(|v| v.route()).collect();
+    routes.sort();
+    routes.dedup();
+    for route in routes {
+        let Some(mode) = route.bouncer_mode() else { continue };
+        let upstream = tcp_addr(&config)?;
+        let bouncer = PgBouncer::start(upstream, mode)?;
+        let pid = pgbouncer_pid(bouncer.addr().port());
+        bouncer_version = bouncer_version.or_else(|| {
+            let log = bouncer.log();
+            let at = log.find("PgBouncer ")?;
+            log[at..].split([',', '\n']).next().map(str::to_owned)
+        });
+        transport += &format!(
+            "; *{}: {}, {} mode, on {}",
+            route.suffix(),
+            bouncer_version.as_deref().unwrap_or("PgBouncer"),
+            format!("{mode:?}").to_lowercase(),
+            bouncer.addr()
+        );
+        let via = bouncer.config_via(&config);
+        bouncers.insert(route, (bouncer, via, pid));
+    }
+    Ok(Target { config, transport, bouncers, bouncer_version, _proxy: proxy, _cluster: cluster })
+}
+
+/// The process id of the private PgBouncer listening on `port`: the `pgbouncer` process whose
+/// ini file (its command line's) sets that `listen_port`. Linux only.
+fn pgbouncer_pid(port: u16) -> Option<u32> {
+    let wanted = format!("listen_port = {port}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        if comm.trim_end() != "pgbouncer" {
+            return None;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let ini = cmdline
+            .split(|&b| b == 0)
+            .filter_map(|arg| std::str::from_utf8(arg).ok())
+            .find(|arg| arg.ends_with(".ini"))?
+            .to_owned();
+        let text = std::fs::read_to_string(ini).ok()?;
+        text.lines().any(|line| line.trim() == wanted).then_some(pid)
+    })
 }
 
 fn tcp_addr(config: &tokio_postgres::Config) -> Result<SocketAddr, BoxError> {
@@ -340,7 +499,7 @@ fn tcp_addr(config: &tokio_postgres::Config) -> Result<SocketAddr, BoxError> {
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| format!("{host} has no address"))?),
-        _ => Err("--delay-us needs a TCP host".into()),
+        _ => Err("--delay-us and the -pgb- variants need a TCP host".into()),
     }
 }
 
@@ -360,6 +519,8 @@ struct Measured {
     multixacts: i64,
     server_cpu: Option<Duration>,
     client_cpu: Option<Duration>,
+    /// CPU time of the variant's bouncer, for a route through one.
+    pooler_cpu: Option<Duration>,
     /// A store's statements, counted from its `Stats` around each slice; `None` for the
     /// baselines, which run one statement (or transaction) per write.
     statements: Option<u64>,
@@ -376,25 +537,34 @@ struct Counters {
     server_cpu: Option<Duration>,
     /// CPU time of this process (the client side: driver, pool, store, bench loop).
     client_cpu: Option<Duration>,
+    /// CPU time of the variant's bouncer (one process), for a route through one.
+    pooler_cpu: Option<Duration>,
 }
 
 fn run(args: Args) -> Result<(), BoxError> {
     let target = target(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(bench(&args, &target));
-    // The runtime goes first (its connections to the proxy with it), then the proxy and the
-    // cluster, when `target` drops.
+    // The runtime goes first (its connections to the bouncers and the proxy with it), then the
+    // bouncers, the proxy and the cluster, when `target` drops.
     drop(runtime);
     drop(target);
     result
 }
 
-/// The table of the store `key`: the main one's, or one of its own per `write_concurrency`.
+/// The table of the store `key`: the main one's, or one of its own per `write_concurrency` and
+/// route.
 fn store_table(table: &str, key: StoreKey) -> String {
-    match key {
-        None => table.to_owned(),
-        Some(n) => format!("{table}_wc{n}"),
+    let mut name = table.to_owned();
+    if let Some(n) = key.write_concurrency {
+        name += &format!("_wc{n}");
     }
+    name += match key.route {
+        Route::Direct => "",
+        Route::PgbSession => "_pgbs",
+        Route::PgbTx => "_pgbt",
+    };
+    name
 }
 
 async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
@@ -405,7 +575,7 @@ async fn bench(args: &Args, target: &Target) -> Result<(), BoxError> {
         let (admin, connection) = target.config.connect(tokio_postgres::NoTls).await?;
         let connection = tokio::spawn(connection);
         let mut keys: Vec<StoreKey> = args.variants.iter().filter_map(|v| v.store()).collect();
-        keys.push(None);
+        keys.push(MAIN);
         keys.sort();
         keys.dedup();
         for key in keys {
@@ -429,25 +599,40 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
     let load_start = load_average();
     let max_writers = args.concurrency.iter().copied().max().unwrap_or(1);
     let ttl = Duration::from_secs(30); // The store's defaults: 30 s TTL, renewal every 10 s.
-    // The main store, and one more per `-wcN` of the variants, each on its table.
+    // The main store, and one more per `-wcN` and route of the variants, each on its table.
     let mut keys: Vec<StoreKey> = args.variants.iter().filter_map(|v| v.store()).collect();
-    keys.push(None);
+    keys.push(MAIN);
     keys.sort();
     keys.dedup();
     let mut stores = BTreeMap::new();
     for key in keys {
-        let mut builder = PgKvStore::builder_from_config(target.config.clone())
+        let pool_mode = match key.route {
+            Route::PgbTx => pgfence::PoolMode::Transaction,
+            Route::Direct | Route::PgbSession => args.pool_mode,
+        };
+        let mut builder = PgKvStore::builder_from_config(target.config(key.route).clone())
             .table(store_table(table, key))
             .pool_size(max_writers)
-            .pool_mode(args.pool_mode);
-        if let Some(statements) = key.or(args.write_concurrency) {
+            .pool_mode(pool_mode);
+        if let Some(statements) = key.write_concurrency.or(args.write_concurrency) {
             builder = builder.write_concurrency(statements);
         }
         stores.insert(key, builder.open().await?);
     }
-    let store = stores[&None].clone();
-    let baseline =
-        Baseline::new(&store, table, support::pool(target.config.clone(), max_writers), ttl);
+    let store = stores[&MAIN].clone();
+    // The unfenced baseline per route of its variants, on the main store's table; the direct
+    // one also for the other baselines.
+    let mut baselines = BTreeMap::new();
+    for route in args.variants.iter().filter_map(|&v| match v {
+        Variant::Unfenced(route) => Some(route),
+        _ => None,
+    }) {
+        let pool = support::pool(target.config(route).clone(), max_writers);
+        baselines.insert(route, Baseline::new(&store, table, pool, ttl));
+    }
+    baselines.entry(Route::Direct).or_insert_with(|| {
+        Baseline::new(&store, table, support::pool(target.config.clone(), max_writers), ttl)
+    });
     let one_connection = if args.variants.contains(&Variant::LdkNode) {
         Some(OneConnection::connect(&target.config, &store, table).await?)
     } else {
@@ -496,7 +681,7 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
 
     let workload = Workload {
         stores,
-        baseline,
+        baselines,
         one_connection,
         value_size: args.value_size,
         next_write: (0..max_writers).map(|_| AtomicU64::new(0)).collect(),
@@ -517,7 +702,8 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
             order.rotate_left(first);
             for variant in order {
                 eprintln!("{writers:>3} writers, round {}: {}", round + 1, variant.name());
-                let before = counters(&admin, postmaster).await?;
+                let pooler = target.pooler_pid(variant.route());
+                let before = counters(&admin, postmaster, pooler).await?;
                 let statements_before = workload.statements(variant);
                 let (stop, stopped) = watch::channel(false);
                 let sampler = args
@@ -547,7 +733,7 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
                     }
                     None => (slice.await?, None),
                 };
-                let after = counters(&admin, postmaster).await?;
+                let after = counters(&admin, postmaster, pooler).await?;
                 stop.send_replace(true);
                 let m = results.entry((writers, variant)).or_default();
                 let mut sorted = latencies.clone();
@@ -559,6 +745,9 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
                 m.wal_bytes += after.wal_lsn - before.wal_lsn;
                 m.server_cpu = add_cpu(m.server_cpu, before.server_cpu, after.server_cpu);
                 m.client_cpu = add_cpu(m.client_cpu, before.client_cpu, after.client_cpu);
+                if pooler.is_some() {
+                    m.pooler_cpu = add_cpu(m.pooler_cpu, before.pooler_cpu, after.pooler_cpu);
+                }
                 m.multixacts += after.mxid_age - before.mxid_age;
                 if let (Some(b), Some(a)) = (statements_before, workload.statements(variant)) {
                     *m.statements.get_or_insert(0) += a - b;
@@ -591,7 +780,15 @@ async fn measure(args: &Args, target: &Target, table: &str) -> Result<(), BoxErr
     let _ = admin_task.await;
 
     let load = (load_start, load_average());
-    let report = Report { args, transport: &target.transport, server_version, rtt, results, load };
+    let report = Report {
+        args,
+        transport: &target.transport,
+        server_version,
+        rtt,
+        results,
+        load,
+        bouncer_version: target.bouncer_version.clone(),
+    };
     if args.json {
         // The JSON is the output; the table still goes to stderr for whoever watches the run.
         eprint!("{}", report.table());
@@ -632,7 +829,9 @@ fn key(writer: usize, k: usize) -> String {
 struct Workload {
     /// The stores of the [`Variant::Store`] variants, by `write_concurrency`.
     stores: BTreeMap<StoreKey, PgKvStore>,
-    baseline: Baseline,
+    /// The baselines, by route: the direct one always (for `solo`, `pinned`, `naive`), and the
+    /// others' of the `unfenced` variants.
+    baselines: BTreeMap<Route, Baseline>,
     /// `ldk-node`'s one connection, when that variant runs.
     one_connection: Option<OneConnection>,
     value_size: usize,
@@ -655,9 +854,13 @@ impl Workload {
         &self.stores[&key]
     }
 
+    fn baseline(&self, route: Route) -> &Baseline {
+        &self.baselines[&route]
+    }
+
     async fn write(&self, variant: Variant, key: &str, value: Vec<u8>) -> Result<(), BoxError> {
         match variant {
-            Variant::Unfenced => self.baseline.unfenced(key, &value).await,
+            Variant::Unfenced(route) => self.baseline(route).unfenced(key, &value).await,
             Variant::Store(StoreApi::Write, store) => {
                 Ok(self.store(store).write(NS, SUB, key, value).await?)
             }
@@ -669,9 +872,9 @@ impl Workload {
                 store.write_deferred(NS, SUB, key, value).await?;
                 Ok(store.flush().await?)
             }
-            Variant::Naive => self.baseline.naive(key, &value).await,
-            Variant::Solo => self.baseline.fenced(key, &value).await,
-            Variant::Pinned => self.baseline.fenced_pinned(key, &value).await,
+            Variant::Naive => self.baseline(Route::Direct).naive(key, &value).await,
+            Variant::Solo => self.baseline(Route::Direct).fenced(key, &value).await,
+            Variant::Pinned => self.baseline(Route::Direct).fenced_pinned(key, &value).await,
             Variant::LdkNode => {
                 let one = self.one_connection.as_ref().expect("connected for ldk-node");
                 one.fenced_unprepared(key, &value).await
@@ -696,8 +899,8 @@ impl Workload {
             Variant::LdkNode => {
                 usize::from(self.one_connection.as_ref().is_some_and(OneConnection::busy))
             }
-            Variant::Unfenced | Variant::Solo | Variant::Pinned | Variant::Naive => {
-                let status = self.baseline.pool.status();
+            Variant::Unfenced(_) | Variant::Solo | Variant::Pinned | Variant::Naive => {
+                let status = self.baseline(variant.route()).pool.status();
                 status.size.saturating_sub(status.available)
             }
         }
@@ -846,6 +1049,7 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
 async fn counters(
     admin: &tokio_postgres::Client,
     postmaster: Option<u32>,
+    pooler: Option<u32>,
 ) -> Result<Counters, BoxError> {
     // `mxid_age(datminmxid)` is the next MultiXact id minus a value that only VACUUM moves:
     // its growth over a slice is the number of MultiXacts created in it.
@@ -861,6 +1065,7 @@ async fn counters(
         mxid_age: row.get(1),
         server_cpu: postmaster.and_then(server_cpu),
         client_cpu: process_cpu(std::process::id()),
+        pooler_cpu: pooler.and_then(process_cpu),
     })
 }
 
@@ -978,6 +1183,8 @@ struct Report<'a> {
     results: BTreeMap<(usize, Variant), Measured>,
     /// The 1, 5 and 15 minute load averages before the measurements and after them.
     load: (Option<String>, Option<String>),
+    /// The bouncers' version, when a variant ran through one.
+    bouncer_version: Option<String>,
 }
 
 struct Summary {
@@ -992,6 +1199,7 @@ struct Summary {
     multixacts_per_op: f64,
     server_cpu_per_op: Option<Duration>,
     client_cpu_per_op: Option<Duration>,
+    pooler_cpu_per_op: Option<Duration>,
     renewal: Option<(usize, usize, Duration, Duration, Duration)>,
     renewal_async: Option<(usize, Duration, Duration, Duration)>,
     /// A store's writes per statement.
@@ -1025,6 +1233,7 @@ fn summarize(m: &Measured) -> Summary {
         multixacts_per_op: m.multixacts as f64 / ops.max(1) as f64,
         server_cpu_per_op: m.server_cpu.map(|cpu| cpu / ops.max(1) as u32),
         client_cpu_per_op: m.client_cpu.map(|cpu| cpu / ops.max(1) as u32),
+        pooler_cpu_per_op: m.pooler_cpu.map(|cpu| cpu / ops.max(1) as u32),
         renewal: (!renewals.is_empty() || m.renewal_errors > 0).then(|| {
             (
                 renewals.len(),
@@ -1064,7 +1273,58 @@ fn us(d: Duration) -> u128 {
     d.as_micros()
 }
 
+/// The median of the per-round ratios of `a` to `b` (rounds paired in order): of writes per
+/// second with `index` 0, of the median latency with 1.
+fn round_ratio(a: &Measured, b: &Measured, index: usize) -> f64 {
+    let mut ratios: Vec<f64> = a
+        .rounds
+        .iter()
+        .zip(&b.rounds)
+        .map(|(x, y)| match index {
+            0 => x.0 / y.0.max(1e-9),
+            _ => x.1.as_secs_f64() / y.1.as_secs_f64().max(1e-9),
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    match ratios.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => ratios[n / 2],
+        n => (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0,
+    }
+}
+
 impl Report<'_> {
+    /// What `variant`'s ratios are to at `writers`: `unfenced` on its route if that ran (through
+    /// the session-mode bouncer for `-pgb-tx`, which has no unfenced variant), else `unfenced`.
+    /// `None` for `unfenced` itself, or when no baseline ran.
+    fn base(&self, writers: usize, variant: Variant) -> Option<Variant> {
+        let on_route = match variant.route() {
+            Route::Direct => UNFENCED,
+            Route::PgbSession | Route::PgbTx => Variant::Unfenced(Route::PgbSession),
+        };
+        [on_route, UNFENCED]
+            .into_iter()
+            .filter(|&base| base != variant)
+            .find(|&base| self.results.contains_key(&(writers, base)))
+    }
+
+    /// The store variants run through both bouncers: per number of writers, the variant through
+    /// the session-mode bouncer and the same through the transaction-mode one.
+    fn mode_pairs(&self) -> Vec<(usize, Variant, Variant)> {
+        self.results
+            .keys()
+            .filter_map(|&(writers, variant)| match variant {
+                Variant::Store(api, key) if key.route == Route::PgbTx => {
+                    let session = Variant::Store(api, StoreKey { route: Route::PgbSession, ..key });
+                    self.results
+                        .contains_key(&(writers, session))
+                        .then_some((writers, session, variant))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     fn header(&self) -> String {
         format!(
             "{}{}; {} CPUs; {}; SELECT 1 round trip p50 {:.3} ms, p99 {:.3} ms;\n\
@@ -1089,7 +1349,7 @@ impl Report<'_> {
         let _ = writeln!(out, "\n{}\n", self.header());
         let _ = writeln!(
             out,
-            "{:>7}  {:<12} {:>9} {:>9} {:>9} {:>9}  {:>8} {:>8} {:>8}  {:>8} {:>6} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
+            "{:>7}  {:<20} {:>9} {:>9} {:>9} {:>9}  {:>8} {:>8} {:>8}  {:>8} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>8} {:>8}",
             "writers",
             "variant",
             "ops/s",
@@ -1103,6 +1363,7 @@ impl Report<'_> {
             "mxact",
             "srv µs",
             "cli µs",
+            "pgb µs",
             "w/stmt",
             "flight",
             "stmt ms",
@@ -1110,14 +1371,14 @@ impl Report<'_> {
         );
         for (&(writers, variant), m) in &self.results {
             let s = summarize(m);
-            let base = self.results.get(&(writers, Variant::Unfenced)).map(summarize);
+            let base = self.base(writers, variant).map(|b| summarize(&self.results[&(writers, b)]));
             let ratio = |f: fn(&Summary) -> f64| match &base {
-                Some(b) if variant != Variant::Unfenced => format!("{:.2}x", f(&s) / f(b)),
-                _ => "-".to_owned(),
+                Some(b) => format!("{:.2}x", f(&s) / f(b)),
+                None => "-".to_owned(),
             };
             let _ = writeln!(
                 out,
-                "{:>7}  {:<12} {:>9.0} {:>9.3} {:>9.3} {:>9.3}  {:>8} {:>8} {:>8}  {:>8.0} {:>6.2} {:>8} {:>8} {:>7} {:>7} {:>8} {:>8}",
+                "{:>7}  {:<20} {:>9.0} {:>9.3} {:>9.3} {:>9.3}  {:>8} {:>8} {:>8}  {:>8.0} {:>6.2} {:>8} {:>8} {:>7} {:>7} {:>7} {:>8} {:>8}",
                 writers,
                 variant.name(),
                 s.ops_per_sec,
@@ -1131,6 +1392,7 @@ impl Report<'_> {
                 s.multixacts_per_op,
                 s.server_cpu_per_op.map_or("-".to_owned(), |d| d.as_micros().to_string()),
                 s.client_cpu_per_op.map_or("-".to_owned(), |d| d.as_micros().to_string()),
+                s.pooler_cpu_per_op.map_or("-".to_owned(), |d| d.as_micros().to_string()),
                 s.writes_per_statement.map_or("-".to_owned(), |w| format!("{w:.2}")),
                 s.in_flight.map_or("-".to_owned(), |f| format!("{f:.2}")),
                 s.statement_and_wait.map_or("-".to_owned(), |(st, _)| format!("{:.3}", ms(st))),
@@ -1139,12 +1401,40 @@ impl Report<'_> {
         }
         let _ = writeln!(
             out,
-            "\n(x: ratio to unfenced at the same number of writers; mxact: MultiXacts created per \
-             write; srv/cli µs: CPU time per write of the whole server and of this process;\n\
-             w/stmt: a store's writes per statement; with --trace-inflight, flight: mean \
-             statements in flight,\nstmt ms: a statement's mean duration (flight ÷ statements \
-             per second), wait ms: the rest of the mean latency)"
+            "\n(x: ratio to unfenced at the same number of writers (a -pgb- variant's: to \
+             unfenced-pgb-session if it ran); mxact: MultiXacts created per write;\nsrv/cli/pgb \
+             µs: CPU time per write of the whole server, of this process and of the variant's \
+             PgBouncer;\nw/stmt: a store's writes per statement; with --trace-inflight, flight: \
+             mean statements in flight,\nstmt ms: a statement's mean duration (flight ÷ \
+             statements per second), wait ms: the rest of the mean latency)"
         );
+        let pairs = self.mode_pairs();
+        if !pairs.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nthrough {}, transaction ÷ session mode (median of the per-round ratios; whole \
+                 run):",
+                self.bouncer_version.as_deref().unwrap_or("PgBouncer")
+            );
+        }
+        for (writers, session, tx) in pairs {
+            let (a, b) = (&self.results[&(writers, tx)], &self.results[&(writers, session)]);
+            let (sa, sb) = (summarize(a), summarize(b));
+            let _ = writeln!(
+                out,
+                "{writers:>7}  {:<20} writes/s {:.2}x ({:.2}x)  p50 {:.2}x ({:.2}x)  server CPU \
+                 {:.2}x",
+                tx.name(),
+                round_ratio(a, b, 0),
+                sa.ops_per_sec / sb.ops_per_sec.max(1e-9),
+                round_ratio(a, b, 1),
+                sa.p50.as_secs_f64() / sb.p50.as_secs_f64().max(1e-9),
+                match (sa.server_cpu_per_op, sb.server_cpu_per_op) {
+                    (Some(x), Some(y)) => x.as_secs_f64() / y.as_secs_f64().max(1e-9),
+                    _ => f64::NAN,
+                },
+            );
+        }
         if self.args.renew_probe.is_some() {
             let _ = writeln!(
                 out,
@@ -1156,7 +1446,7 @@ impl Report<'_> {
                 if let Some((_, p50, p99, max)) = s.renewal_async {
                     let _ = writeln!(
                         out,
-                        "{writers:>7}  {:<12} async p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
+                        "{writers:>7}  {:<20} async p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
                         variant.name(),
                         ms(p50),
                         ms(p99),
@@ -1166,7 +1456,7 @@ impl Report<'_> {
                 if let Some((n, errors, p50, p99, max)) = s.renewal {
                     let _ = writeln!(
                         out,
-                        "{writers:>7}  {:<12} p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms  ({n} renewals, {errors} failed)",
+                        "{writers:>7}  {:<20} p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms  ({n} renewals, {errors} failed)",
                         variant.name(),
                         ms(p50),
                         ms(p99),
@@ -1186,7 +1476,7 @@ impl Report<'_> {
                     .take(6)
                     .map(|(w, n)| format!("{w} {:.0}%", **n as f64 * 100.0 / total.max(1) as f64))
                     .collect();
-                let _ = writeln!(out, "{writers:>7}  {:<12} {}", variant.name(), line.join(", "));
+                let _ = writeln!(out, "{writers:>7}  {:<20} {}", variant.name(), line.join(", "));
             }
         }
         out
@@ -1196,7 +1486,7 @@ impl Report<'_> {
         let mut results = Vec::new();
         for (&(writers, variant), m) in &self.results {
             let s = summarize(m);
-            let base = self.results.get(&(writers, Variant::Unfenced)).map(summarize);
+            let base = self.base(writers, variant);
             let mut fields = vec![
                 format!("\"writers\":{writers}"),
                 format!("\"variant\":{}", json_str(&variant.name())),
@@ -1217,6 +1507,9 @@ impl Report<'_> {
             if let Some(cpu) = s.client_cpu_per_op {
                 fields.push(format!("\"client_cpu_us_per_op\":{:.1}", cpu.as_secs_f64() * 1e6));
             }
+            if let Some(cpu) = s.pooler_cpu_per_op {
+                fields.push(format!("\"pooler_cpu_us_per_op\":{:.1}", cpu.as_secs_f64() * 1e6));
+            }
             let rounds: Vec<String> = m
                 .rounds
                 .iter()
@@ -1233,9 +1526,11 @@ impl Report<'_> {
                 fields.push(format!("\"statement_us\":{}", us(statement)));
                 fields.push(format!("\"wait_us\":{}", us(wait)));
             }
-            if let Some(b) = base.filter(|_| variant != Variant::Unfenced) {
+            if let Some(base) = base {
+                let b = summarize(&self.results[&(writers, base)]);
                 fields.push(format!(
-                    "\"vs_unfenced\":{{\"p50\":{:.3},\"p99\":{:.3},\"ops_per_sec\":{:.3}}}",
+                    "\"vs_unfenced\":{{\"variant\":{},\"p50\":{:.3},\"p99\":{:.3},\"ops_per_sec\":{:.3}}}",
+                    json_str(&base.name()),
                     s.p50.as_secs_f64() / b.p50.as_secs_f64(),
                     s.p99.as_secs_f64() / b.p99.as_secs_f64(),
                     s.ops_per_sec / b.ops_per_sec
@@ -1271,7 +1566,8 @@ impl Report<'_> {
             "{{\"tool\":\"pgfence-bench\",\"unix_time\":{started},\"load_start\":{},\"load_end\":{},\
 \"server_version\":{},\"cpus\":{},\
 \"transport\":{},\"rtt_p50_us\":{},\"rtt_p99_us\":{},\"delay_us\":{},\"value_size\":{},\
-\"duration_secs\":{},\"rounds\":{},\"write_concurrency\":{},\"concurrency\":[{}],\"results\":[{}]}}",
+\"duration_secs\":{},\"rounds\":{},\"write_concurrency\":{},\"pgbouncer_version\":{},\
+\"concurrency\":[{}],\"results\":[{}]}}",
             self.load.0.as_deref().map_or("null".to_owned(), json_str),
             self.load.1.as_deref().map_or("null".to_owned(), json_str),
             json_str(&self.server_version),
@@ -1284,6 +1580,7 @@ impl Report<'_> {
             a.duration.as_secs_f64(),
             a.rounds,
             a.write_concurrency.map_or("null".to_owned(), |n| n.to_string()),
+            self.bouncer_version.as_deref().map_or("null".to_owned(), json_str),
             a.concurrency.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(","),
             results.join(",")
         )
