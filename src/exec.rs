@@ -111,16 +111,18 @@ impl Executor {
     /// the caller holds the turns of every key it changes. `Ok` means committed. The owner id
     /// is its first parameter, which this adds in front of `params`.
     ///
-    /// `call` is the same mutation as one call of its function, with the same parameters
-    /// ([`sql::WRITE_CALL`]). Where the store does not own its sessions, it runs that instead
-    /// (see [`Executor::unowned_session`]).
+    /// Where the store does not own its sessions, it runs `unowned` instead: the same mutation
+    /// as one call of its function, with the same parameters ([`sql::WRITE_CALL`]), if it has
+    /// one; else the mutation as a statement that pins its commit itself ([`sql::pinned`], or
+    /// a deferred one), in a transaction of its own (see [`Executor::unowned_session`]).
     pub(crate) async fn fenced(
         &self,
         operation: &'static str,
-        (sql, call): (&Statement, Option<&Statement>),
+        sql: &Statement,
+        unowned: Unowned<'_>,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<()> {
-        self.run(operation, (sql, call), params, Kind::Mutation).await.map(drop)
+        self.run(operation, (sql, Some(unowned)), params, Kind::Mutation).await.map(drop)
     }
 
     /// Makes every deferred mutation of this store that committed before this call durable
@@ -231,7 +233,7 @@ impl Executor {
     async fn run(
         &self,
         operation: &'static str,
-        sql: (&Statement, Option<&Statement>),
+        sql: (&Statement, Option<Unowned<'_>>),
         params: &[&(dyn ToSql + Sync)],
         kind: Kind,
     ) -> Result<Vec<Row>> {
@@ -257,7 +259,7 @@ impl Executor {
     async fn attempts<'a>(
         &'a self,
         operation: &'static str,
-        (sql, call): (&Statement, Option<&Statement>),
+        (sql, unowned_sql): (&Statement, Option<Unowned<'_>>),
         params: &[&(dyn ToSql + Sync)],
         kind: Kind,
         unresolved: &mut Option<OutcomePending<'a>>,
@@ -293,10 +295,21 @@ impl Executor {
                 };
                 let statements = async {
                     let unowned = writes_lease_row && !self.pool.own_sessions();
-                    let call = call.filter(|_| unowned && self.tries_functions());
+                    let unowned_sql = unowned_sql.filter(|_| unowned);
+                    let call = unowned_sql.and_then(|u| u.call).filter(|_| self.tries_functions());
+                    // Where the session is not the store's own, in a transaction of its own at
+                    // read committed with a durable commit: `begin` (see `in_own_transaction`).
+                    let (run, begin) = match (unowned, call) {
+                        (false, _) => (sql, None),
+                        (true, Some(call)) => (call, None),
+                        (true, None) => {
+                            let (pinned, begin) = in_own_transaction(sql, unowned_sql);
+                            (pinned, Some(begin))
+                        }
+                    };
                     let mode = self.pool.mode();
-                    let statement = (mode.prepare_cached(&client, call.unwrap_or(sql)).await)
-                        .map_err(Error::db(operation))?;
+                    let statement =
+                        (mode.prepare_cached(&client, run).await).map_err(Error::db(operation))?;
                     // Read after every wait, so a fence that began meanwhile is over and its
                     // id is the one sent. Only a fence that begins from here on still finds
                     // this statement in flight: at most one statement per pooled connection.
@@ -311,13 +324,14 @@ impl Executor {
                     // A mutation's and the flush's commit must be durable (a deferred mutation's
                     // SQL sets it off after this) at read committed: pinned per transaction
                     // where the session is not the store's own, or by the mutation's function.
-                    match (unowned, call) {
-                        (true, Some(_)) => {
+                    match (call, begin) {
+                        (Some(_), _) => {
                             let called = statement.query(&client, &all).await;
-                            self.unowned_session(&client, sql, called, &all).await
+                            let fallback = in_own_transaction(sql, unowned_sql);
+                            self.unowned_session(&client, fallback, called, &all).await
                         }
-                        (true, None) => statement.query_read_committed(&client, &all).await,
-                        (false, _) => statement.query(&client, &all).await,
+                        (None, Some(begin)) => statement.query_in(begin, &client, &all).await,
+                        (None, None) => statement.query(&client, &all).await,
                     }
                     .map_err(Error::db(operation))
                 };
@@ -407,14 +421,14 @@ impl Executor {
     /// other client, or the application, may have asked for serializable. Only read committed
     /// keeps a fenced mutation from failing with a serialization error after a renewal (see
     /// [`sql::WRITE`]). So at any other level the function changes nothing and raises
-    /// [`sql::NOT_READ_COMMITTED`]. The mutation then runs as today's statement `sql`, in a
-    /// pipelined `BEGIN ISOLATION LEVEL READ COMMITTED` ... `COMMIT` on the same connection:
-    /// one round trip more. The next [`SKIP_FUNCTIONS_AFTER_FALLBACK`] mutations go there
-    /// directly.
+    /// [`sql::NOT_READ_COMMITTED`]. The mutation then runs as a statement, `fallback`
+    /// ([`in_own_transaction`]), in a pipelined `BEGIN ISOLATION LEVEL READ COMMITTED` ...
+    /// `COMMIT` on the same connection: one round trip more. The next
+    /// [`SKIP_FUNCTIONS_AFTER_FALLBACK`] mutations go there directly.
     async fn unowned_session(
         &self,
         client: &deadpool_postgres::ClientWrapper,
-        sql: &Statement,
+        (fallback, begin): (&Statement, &str),
         called: std::result::Result<Vec<Row>, tokio_postgres::Error>,
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
@@ -423,8 +437,8 @@ impl Executor {
                 tracing::debug!(error = %e, "pgfence runs a mutation in its own transaction at \
                     read committed: its session's transactions default to another level");
                 self.skip_functions.store(SKIP_FUNCTIONS_AFTER_FALLBACK, Ordering::Relaxed);
-                let statement = self.pool.mode().prepare_cached(client, sql).await?;
-                statement.query_read_committed(client, params).await
+                let statement = self.pool.mode().prepare_cached(client, fallback).await?;
+                statement.query_in(begin, client, params).await
             }
             called => called,
         }
@@ -582,6 +596,32 @@ impl Executor {
                 }))
             }
         }
+    }
+}
+
+/// What a fenced mutation runs where the store does not own its sessions
+/// ([`Executor::fenced`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unowned<'a> {
+    /// The mutation as a statement that sets `synchronous_commit` for its transaction itself:
+    /// [`sql::pinned`] (at least `on`), or a deferred one (`off`).
+    pub(crate) pinned: &'a Statement,
+    /// The same as one call of its function, tried first, if it has one.
+    pub(crate) call: Option<&'a Statement>,
+}
+
+/// How a statement that writes the lease row runs in a transaction of its own where the session
+/// is not the store's own: a fenced mutation's `pinned` form after
+/// [`sql::BEGIN_READ_COMMITTED_ONLY`]; anything else (the flush) after
+/// [`sql::BEGIN_READ_COMMITTED`], which pins the commit. A `SELECT` of its own in the `BEGIN`
+/// message is planned every time; inside the mutation the pin costs next to nothing.
+fn in_own_transaction<'a>(
+    sql: &'a Statement,
+    unowned: Option<Unowned<'a>>,
+) -> (&'a Statement, &'static str) {
+    match unowned {
+        Some(Unowned { pinned, .. }) => (pinned, sql::BEGIN_READ_COMMITTED_ONLY),
+        None => (sql, sql::BEGIN_READ_COMMITTED),
     }
 }
 

@@ -224,20 +224,32 @@ impl Prepared<'_> {
 }
 
 impl Prepared<'_> {
-    /// [`Prepared::query`] in a transaction of its own at read committed, whatever the
-    /// session's defaults. `BEGIN`, the statement and `COMMIT` are pipelined: the driver sends
-    /// all three before it waits for an answer, so they cost one round trip.
-    ///
-    /// The first error wins. An error of the statement rolls back (its `COMMIT` answers
-    /// `ROLLBACK`). An error of the `COMMIT` alone, a broken connection say, leaves the outcome
-    /// unknown, as for a statement of its own.
+    /// [`Prepared::query`] in a transaction of its own at read committed, with a durable commit,
+    /// whatever the session's defaults: [`Prepared::query_in`] of [`sql::BEGIN_READ_COMMITTED`].
     pub(crate) async fn query_read_committed(
         &self,
         client: &Client,
         params: Params<'_>,
     ) -> Result<Vec<Row>, Error> {
+        self.query_in(sql::BEGIN_READ_COMMITTED, client, params).await
+    }
+
+    /// [`Prepared::query`] in a transaction of its own, begun by `begin`
+    /// ([`sql::BEGIN_READ_COMMITTED`], or [`sql::BEGIN_READ_COMMITTED_ONLY`] for a statement
+    /// that pins its commit itself). `begin`, the statement and `COMMIT` are pipelined: the
+    /// driver sends all three before it waits for an answer, so they cost one round trip.
+    ///
+    /// The first error wins. An error of the statement rolls back (its `COMMIT` answers
+    /// `ROLLBACK`). An error of the `COMMIT` alone, a broken connection say, leaves the outcome
+    /// unknown, as for a statement of its own.
+    pub(crate) async fn query_in(
+        &self,
+        begin: &str,
+        client: &Client,
+        params: Params<'_>,
+    ) -> Result<Vec<Row>, Error> {
         let (begun, rows, committed) = tokio::join!(
-            client.batch_execute(sql::BEGIN_READ_COMMITTED),
+            client.batch_execute(begin),
             self.query(client, params),
             client.batch_execute(sql::COMMIT),
         );

@@ -84,8 +84,7 @@ pub(crate) const MIGRATION_TIMEOUTS: &str = "SET LOCAL lock_timeout TO DEFAULT";
 /// It also makes every commit on the session wait for its WAL flush: `synchronous_commit` is
 /// `on` for the session, whatever the role, the database or the connection's options say. A
 /// stronger `remote_apply` is kept. A session setting, not one per statement: on the store's
-/// own session nobody else can change it, and a `set_config` in every write was measured to
-/// cost about 60 µs of server time per write (the bench's `solo` against `unpinned`).
+/// own session nobody else can change it, so it is made once and costs nothing per write.
 pub(crate) const READ_COMMITTED: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED; \
      SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
          WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, false)";
@@ -296,17 +295,26 @@ INSERT INTO {crash_marker} (id, token) VALUES (1, $1)
 ON CONFLICT (id) DO UPDATE SET token = EXCLUDED.token"#;
 pub(crate) const SET_CRASH_MARKER_TYPES: &[Type] = &[Type::UUID];
 
-/// Begins the transaction of a fenced mutation where the store does not own the session: behind
-/// a transaction pooler, or on a pool passed in. A session setting there is a neighbour's, or
-/// the application's: `default_transaction_isolation` may say serializable. Sent in one round
-/// trip with the mutation and [`COMMIT`] (pipelined). See [`WRITE`] for why read committed.
+/// Begins the transaction of a statement that writes the lease row where the store does not own
+/// the session: behind a transaction pooler, or on a pool passed in. A session setting there is
+/// a neighbour's, or the application's: `default_transaction_isolation` may say serializable.
+/// Sent in one round trip with the statement and [`COMMIT`] (pipelined). See [`WRITE`] for why
+/// read committed.
 ///
 /// It also sets `synchronous_commit` to `on` for the transaction only (`set_config(..., true)`),
 /// which its `COMMIT` then obeys: `Ok` means durable whatever the session says. A stronger
-/// `remote_apply` is kept.
+/// `remote_apply` is kept. Its `SELECT` is parsed and planned every time (a simple query): about
+/// 45 µs of server time, measured by `scripts/pin_cost.sh`. So fenced mutations, which run
+/// often, use [`BEGIN_READ_COMMITTED_ONLY`] and pin their commit themselves ([`pinned`]); the
+/// renewal, the release, the fence's change of owner id and the flush use this.
 pub(crate) const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
          WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)";
+
+/// [`BEGIN_READ_COMMITTED`] without its `SELECT`: for a fenced mutation that sets
+/// `synchronous_commit` for its transaction itself ([`pinned`], [`deferred`]). A utility
+/// statement, not planned.
+pub(crate) const BEGIN_READ_COMMITTED_ONLY: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 pub(crate) const COMMIT: &str = "COMMIT";
 
@@ -319,17 +327,17 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// Returns whether the lease was held (false: nothing was written).
 ///
 /// It commits with at least `synchronous_commit = on`, whatever the role, the database or the
-/// connection's options say: the store's own sessions are set so ([`READ_COMMITTED`]), and
-/// elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], which sets it for the
-/// transaction, or its function ([`WRITE_CALL`]) sets it. So does every fenced mutation
-/// ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
+/// connection's options say: the store's own sessions are set so ([`READ_COMMITTED`]).
+/// Elsewhere its [`pinned`] form sets it for the transaction, after
+/// [`BEGIN_READ_COMMITTED_ONLY`], or its function ([`WRITE_CALL`]) sets it. So does every
+/// fenced mutation ([`REMOVE`], [`BATCH`], [`BATCH_PUT`]).
 ///
 /// It runs at read committed: only that level re-reads the lease row after waiting for its
 /// lock. Under repeatable read or serializable the lock fails with a serialization error
 /// (40001) when a renewal changed the row since the snapshot, and the store cannot tell that
 /// from any other error. The store's own sessions are set to read committed
-/// ([`READ_COMMITTED`]); elsewhere the statement runs in [`BEGIN_READ_COMMITTED`], or its
-/// function ([`WRITE_CALL`]) checks the level first.
+/// ([`READ_COMMITTED`]); elsewhere the statement runs after [`BEGIN_READ_COMMITTED_ONLY`], or
+/// its function ([`WRITE_CALL`]) checks the level first.
 pub(crate) const WRITE: &str = r#"
 WITH lease AS (
     SELECT epoch, expires_at FROM {lease}
@@ -354,8 +362,7 @@ pub(crate) const WRITE_TYPES: &[Type] =
 /// It sets `synchronous_commit` to `off` for this transaction only (`set_config(..., true)`):
 /// the commit then returns before its WAL reaches the disk. The setting ends with the
 /// transaction, so the session's next statement commits durably again. Where the store does not
-/// own the session, [`BEGIN_READ_COMMITTED`] set it to `on` first, and this statement sets it
-/// `off` after that, in the same transaction.
+/// own the session, it runs after [`BEGIN_READ_COMMITTED_ONLY`], which sets nothing.
 ///
 /// PostgreSQL does not run a `SELECT` CTE that nothing reads. So the final `SELECT` reads from
 /// `deferred`: its one row must be computed, and with it the `set_config`. When in the statement
@@ -365,9 +372,28 @@ pub(crate) const WRITE_TYPES: &[Type] =
 /// WAL is replayed in order, so after a crash the commits that survive are the first ones. A later
 /// durable commit, or [`FLUSH`], makes every earlier one durable.
 pub(crate) fn deferred(mutation: &str) -> String {
+    ending(mutation, DEFERRED)
+}
+
+/// A fenced mutation ([`WRITE`], [`REMOVE`], [`BATCH`], [`BATCH_PUT`]) for a session the store
+/// does not own, run after [`BEGIN_READ_COMMITTED_ONLY`]: the statement with one more CTE,
+/// [`PINNED`]. It sets `synchronous_commit` for its transaction as [`BEGIN_READ_COMMITTED`]
+/// does: at least `on`, a session's `remote_apply` kept. Its commit obeys it.
+///
+/// Inside the statement the pin costs next to nothing: planned with the statement (once per
+/// connection where statements are prepared). As a `SELECT` of its own in the `BEGIN` message it
+/// cost about 45 µs of server time per statement, 3.5% of a write at a 1.2 ms round trip
+/// (`scripts/pin_cost.sh`, `simple-pinned` against `simple-cte`). Read by the final `SELECT`, as
+/// [`deferred`]'s CTE is, or PostgreSQL would not run it.
+pub(crate) fn pinned(mutation: &str) -> String {
+    ending(mutation, PINNED)
+}
+
+/// `mutation` with `end` in place of its [`FENCED_END`].
+fn ending(mutation: &str, end: &str) -> String {
     let tail = mutation.rfind(FENCED_END).filter(|at| at + FENCED_END.len() == mutation.len());
     let at = tail.expect("a fenced mutation ends in its lease check");
-    format!("{}{DEFERRED}", &mutation[..at])
+    format!("{}{end}", &mutation[..at])
 }
 
 /// How every fenced mutation ends: the last CTE closes, and the statement answers whether the
@@ -380,6 +406,14 @@ const DEFERRED: &str = r#"
     SELECT set_config('synchronous_commit', 'off', true)
 )
 SELECT EXISTS (SELECT 1 FROM valid) FROM deferred"#;
+
+/// What [`pinned`] puts in place of [`FENCED_END`].
+const PINNED: &str = r#"
+), pinned AS (
+    SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')
+        WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, true)
+)
+SELECT EXISTS (SELECT 1 FROM valid) FROM pinned"#;
 
 /// The fenced remove, shaped like [`WRITE`]: the delete joins the `valid` CTE, so it removes
 /// nothing when the lease is gone. Removing a missing key is not an error.
@@ -587,6 +621,10 @@ pub(crate) struct Statements {
     pub(crate) remove_call: Statement,
     pub(crate) batch: Statement,
     pub(crate) batch_put: Statement,
+    pub(crate) write_pinned: Statement,
+    pub(crate) remove_pinned: Statement,
+    pub(crate) batch_pinned: Statement,
+    pub(crate) batch_put_pinned: Statement,
     pub(crate) write_deferred: Statement,
     pub(crate) remove_deferred: Statement,
     pub(crate) batch_deferred: Statement,
@@ -620,6 +658,10 @@ impl Statements {
             remove_call: s(REMOVE_CALL, REMOVE_TYPES),
             batch: s(BATCH, BATCH_TYPES),
             batch_put: s(BATCH_PUT, BATCH_PUT_TYPES),
+            write_pinned: s(&pinned(WRITE), WRITE_TYPES),
+            remove_pinned: s(&pinned(REMOVE), REMOVE_TYPES),
+            batch_pinned: s(&pinned(BATCH), BATCH_TYPES),
+            batch_put_pinned: s(&pinned(BATCH_PUT), BATCH_PUT_TYPES),
             write_deferred: s(&deferred(WRITE), WRITE_TYPES),
             remove_deferred: s(&deferred(REMOVE), REMOVE_TYPES),
             batch_deferred: s(&deferred(BATCH), BATCH_TYPES),
@@ -726,6 +768,10 @@ mod tests {
             &s.remove_call,
             &s.batch,
             &s.batch_put,
+            &s.write_pinned,
+            &s.remove_pinned,
+            &s.batch_pinned,
+            &s.batch_put_pinned,
             &s.write_deferred,
             &s.remove_deferred,
             &s.batch_deferred,

@@ -136,7 +136,7 @@ async fn open_here(
         // First: in session mode, the checks below and the setup use prepared statements.
         // Where the store does not own the sessions (a pool passed in, a transaction pooler),
         // their default isolation does not matter: each fenced mutation pins read committed
-        // (`sql::BEGIN_READ_COMMITTED`).
+        // (`sql::BEGIN_READ_COMMITTED_ONLY`, or its function's check).
         if !reuse.checked.load(Ordering::Relaxed) {
             if mode.keeps_session() {
                 connect::check_own_session(&pool, config.as_ref(), &builder.tls, &client).await?;

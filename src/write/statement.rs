@@ -4,7 +4,7 @@
 use tokio_postgres::types::ToSql;
 
 use crate::error::{KeyPath, Result};
-use crate::exec::Executor;
+use crate::exec::{Executor, Unowned};
 
 /// A change of one key: by `write`, `remove`, or as part of a batch.
 #[derive(Debug)]
@@ -44,18 +44,25 @@ pub(crate) async fn apply_alone(
 ) -> Result<()> {
     let (pn, sn, key) = (&path.primary_namespace, &path.secondary_namespace, &path.key);
     let s = &exec.statements;
-    // A deferred mutation keeps the pipelined transaction off the store's own sessions: the
-    // functions commit durably.
-    let (write, remove, calls) = match durability {
-        Durability::Durable => (&s.write, &s.remove, Some((&s.write_call, &s.remove_call))),
-        Durability::Deferred => (&s.write_deferred, &s.remove_deferred, None),
+    // Off the store's own sessions: a durable mutation calls its function, or pins its commit
+    // itself. A deferred one keeps the pipelined transaction (the functions commit durably),
+    // and sets its commit `off` itself.
+    let unowned = |pinned, call| Unowned { pinned, call: Some(call) };
+    let ((write, write_unowned), (remove, remove_unowned)) = match durability {
+        Durability::Durable => (
+            (&s.write, unowned(&s.write_pinned, &s.write_call)),
+            (&s.remove, unowned(&s.remove_pinned, &s.remove_call)),
+        ),
+        Durability::Deferred => (
+            (&s.write_deferred, Unowned { pinned: &s.write_deferred, call: None }),
+            (&s.remove_deferred, Unowned { pinned: &s.remove_deferred, call: None }),
+        ),
     };
-    let (write_call, remove_call) = calls.unzip();
     match mutation {
         Mutation::Write(value) => {
-            exec.fenced("write", (write, write_call), &[pn, sn, key, value]).await
+            exec.fenced("write", write, write_unowned, &[pn, sn, key, value]).await
         }
-        Mutation::Remove => exec.fenced("remove", (remove, remove_call), &[pn, sn, key]).await,
+        Mutation::Remove => exec.fenced("remove", remove, remove_unowned, &[pn, sn, key]).await,
     }
 }
 
@@ -79,17 +86,21 @@ pub(crate) async fn apply_fenced<'a>(
         }
     }
     let s = &exec.statements;
-    let (batch, batch_put) = match durability {
-        Durability::Durable => (&s.batch, &s.batch_put),
-        Durability::Deferred => (&s.batch_deferred, &s.batch_put_deferred),
+    // Off the store's own sessions, the pinned forms (a deferred one sets `off` itself).
+    let ((batch, batch_pinned), (batch_put, batch_put_pinned)) = match durability {
+        Durability::Durable => ((&s.batch, &s.batch_pinned), (&s.batch_put, &s.batch_put_pinned)),
+        Durability::Deferred => {
+            ((&s.batch_deferred, &s.batch_deferred), (&s.batch_put_deferred, &s.batch_put_deferred))
+        }
     };
+    let unowned = |pinned| Unowned { pinned, call: None };
     let puts = [&puts.primary as &(dyn ToSql + Sync), &puts.secondary, &puts.key, &values];
     if removes.key.is_empty() {
-        return exec.fenced("batch", (batch_put, None), &puts).await;
+        return exec.fenced("batch", batch_put, unowned(batch_put_pinned), &puts).await;
     }
     let removes = [&removes.primary as &(dyn ToSql + Sync), &removes.secondary, &removes.key];
     let params = [&puts[..], &removes[..]].concat();
-    exec.fenced("batch", (batch, None), &params).await
+    exec.fenced("batch", batch, unowned(batch_pinned), &params).await
 }
 
 /// The name columns of a batch's puts or removes, bound as three `text[]` parameters.
