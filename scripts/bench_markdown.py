@@ -264,8 +264,9 @@ def doc(directory):
     if max(loads) > meta["cores"]:
         w(
             f"- **The 1-minute load reached {max(loads):.1f} on {meta['cores']} cores during the "
-            "run**: other work shared the machine. Expect the figures to move between runs; "
-            "the per-round ranges show how much."
+            "run**. The bench's own server, proxy and writers count in it, and so does any "
+            "other work on the machine. Expect the figures to move between runs; the per-round "
+            "ranges show how much."
         )
     w("")
     w("Made by one command, `scripts/bench`, which ran:")
