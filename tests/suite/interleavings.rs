@@ -96,12 +96,25 @@ pub(crate) async fn wait_for_owner_change(table: &str, owner: uuid::Uuid) {
 async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
     let (t, proxy, store) =
         proxied_store("renewrace", |b| b.renew_interval(Duration::from_secs(4))).await;
-    let renewal = proxy.gate(renewal_of(&t), Hold::Statement);
+    let unanswered = write_committed_unanswered(&proxy, &store, &t, "k", b"v1");
+    renewal_race(&t, &proxy, &store, unanswered).await;
+}
+
+/// The renewal races: hold the store's next renewal, let `unanswered` commit a write whose
+/// answer its gate holds, cut that write, let the change of id commit, then let the renewal go
+/// on. The lease must stay held, renewed for a whole TTL, and later writes succeed.
+async fn renewal_race(
+    t: &str,
+    proxy: &Proxy,
+    store: &PgKvStore,
+    unanswered: impl Future<Output = (Gate, JoinHandle<pgfence::Result<()>>)>,
+) {
+    let renewal = proxy.gate(renewal_of(t), Hold::Statement);
     let owner = store.owner_id();
-    let (write_gate, write) = write_committed_unanswered(&proxy, &store, &t, "k", b"v1").await;
+    let (write_gate, write) = unanswered.await;
     within("the first renewal held", renewal.held()).await; // Sent with `owner` only.
     assert!(write_gate.cut());
-    wait_for_owner_change(&t, owner).await;
+    wait_for_owner_change(t, owner).await;
     renewal.release();
 
     within("the renewal answered", async {
@@ -117,7 +130,7 @@ async fn renewal_racing_the_stores_own_id_change_keeps_the_lease() {
     within("a later write", store.write("r", "s", "k2", b"v2".to_vec()))
         .await
         .expect("later writes succeed");
-    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
+    let (row_owner, _, expires_in) = lease_row(&admin().await, t).await;
     assert_eq!(row_owner, store.owner_id());
     assert!(expires_in > 20_000, "renewed for a whole TTL: {expires_in} ms left");
     store.close().await.unwrap();
@@ -172,28 +185,7 @@ async fn call_committed_unanswered(
 async fn renewal_racing_the_stores_own_id_change_behind_a_transaction_pooler_keeps_the_lease() {
     let (t, _bouncer, proxy, store) =
         pooled_store("renewracetx", |b| b.renew_interval(Duration::from_secs(4))).await;
-    let renewal = proxy.gate(renewal_of(&t), Hold::Statement);
-    let owner = store.owner_id();
-    let (write_gate, write) = call_committed_unanswered(&proxy, &store, &t).await;
-    within("the first renewal held", renewal.held()).await; // Sent with `owner` only.
-    assert!(write_gate.cut());
-    wait_for_owner_change(&t, owner).await;
-    renewal.release();
-
-    within("the renewal answered", async {
-        let held = || matches!(*store.lease_state().borrow(), LeaseState::Held { .. });
-        while store.stats().renewals.ok == 0 && held() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    let state = store.lease_state().borrow().clone();
-    assert_eq!(state, LeaseState::Held { epoch: 1 }, "the store's own id change is no takeover");
-    within("the broken write", write).await.unwrap().expect("retried after the fence");
-    let (row_owner, _, expires_in) = lease_row(&admin().await, &t).await;
-    assert_eq!(row_owner, store.owner_id());
-    assert!(expires_in > 20_000, "renewed for a whole TTL: {expires_in} ms left");
-    store.close().await.unwrap();
+    renewal_race(&t, &proxy, &store, call_committed_unanswered(&proxy, &store, &t)).await;
 }
 
 /// Issue 27, item 2 (release). `close()` releases by owner id, with the ids it had when the
