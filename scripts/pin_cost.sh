@@ -44,8 +44,8 @@
 # write's latency here lacks its flush. The server's CPU time per transaction is printed too;
 # it leaves out the waits. Under CPU contention, the best round (min) is the steadiest figure.
 #
-# Creates pincost, pincost_lease and the functions pincost_fenced_write and
-# pincost_fenced_write_nopin (dropping them first), drops them at the end. Variants run
+# Creates the tables and functions of a store named pincost, from migrations/, and
+# pincost_fenced_write_nopin (dropping them first); drops them at the end. Variants run
 # interleaved, ROUNDS times.
 set -euo pipefail
 
@@ -59,7 +59,8 @@ cleanup() {
     psql -qX >/dev/null 2>&1 <<'SQL' || true
 DROP FUNCTION IF EXISTS "pincost_fenced_write"(UUID, TEXT, TEXT, TEXT, BYTEA, TEXT);
 DROP FUNCTION IF EXISTS "pincost_fenced_write_nopin"(UUID, TEXT, TEXT, TEXT, BYTEA, TEXT);
-DROP TABLE IF EXISTS "pincost", "pincost_lease";
+DROP FUNCTION IF EXISTS "pincost_fenced_remove"(UUID, TEXT, TEXT, TEXT, TEXT);
+DROP TABLE IF EXISTS "pincost", "pincost_lease", "pincost_crash_marker";
 SQL
 }
 trap cleanup EXIT
@@ -94,89 +95,36 @@ OWNER=00000000-0000-0000-0000-000000000001
 # A 1 KiB value as bytea's hex text, sent as a parameter like the store's.
 VALUE="\\x$(head -c 1024 /dev/zero | tr '\0' 'a' | od -An -v -tx1 | tr -d ' \n')"
 
-# Migrations 0001-0006 with their placeholders replaced (src/sql.rs, `substitute`): {kv} is
-# "pincost", {lease} "pincost_lease", {write_fn} "pincost_fenced_write". Migrations 3 and 4
-# (fillfactor 70, collation "C") are folded into the CREATE TABLE; the crash marker (5) and the
-# remove function are left out, writes do not touch them.
-psql -qX -v ON_ERROR_STOP=1 -v owner="$OWNER" <<'SQL'
+# The store's own migrations, with their placeholders replaced as src/sql.rs (`substitute`)
+# does. The function without its pin is migration 6's write function less its isolation check
+# and its set_config: not a store's function.
+names=(-e 's/{kv_created_index}/"pincost_created_idx"/g' -e 's/{kv}/"pincost"/g'
+    -e 's/{lease}/"pincost_lease"/g' -e 's/{crash_marker}/"pincost_crash_marker"/g'
+    -e 's/{write_fn}/"pincost_fenced_write"/g' -e 's/{remove_fn}/"pincost_fenced_remove"/g')
+migrations=$(cd "$(dirname "$0")/../migrations" && pwd)
+nopin=$(sed -n '/^CREATE OR REPLACE FUNCTION {write_fn}(/,/^END \$fn\$;/p' \
+    "$migrations/0006_fenced_functions.sql" |
+    sed -e "/IF current_setting('transaction_isolation')/,/END IF;/d" \
+        -e '/PERFORM set_config/,/ELSE _commit END, true);/d' \
+        -e 's/{write_fn}/"pincost_fenced_write_nopin"/' "${names[@]}")
+grep -q 'pincost_fenced_write_nopin' <<<"$nopin" && ! grep -q set_config <<<"$nopin"
+{
+    cat <<'SQL'
 DROP FUNCTION IF EXISTS "pincost_fenced_write"(UUID, TEXT, TEXT, TEXT, BYTEA, TEXT);
 DROP FUNCTION IF EXISTS "pincost_fenced_write_nopin"(UUID, TEXT, TEXT, TEXT, BYTEA, TEXT);
-DROP TABLE IF EXISTS "pincost", "pincost_lease";
-
-CREATE TABLE "pincost" (
-    primary_namespace   TEXT COLLATE "C" NOT NULL,
-    secondary_namespace TEXT COLLATE "C" NOT NULL,
-    key                 TEXT COLLATE "C" NOT NULL,
-    value               BYTEA  NOT NULL,
-    created_seq         BIGINT GENERATED ALWAYS AS IDENTITY,
-    epoch               BIGINT NOT NULL,
-    PRIMARY KEY (primary_namespace, secondary_namespace, key)
-) WITH (fillfactor = 70);
-CREATE INDEX "pincost_created_idx" ON "pincost" (primary_namespace, secondary_namespace, created_seq);
-
-CREATE TABLE "pincost_lease" (
-    id          INT         PRIMARY KEY CHECK (id = 1),
-    owner_id    UUID        NOT NULL UNIQUE,
-    epoch       BIGINT      NOT NULL,
-    expires_at  TIMESTAMPTZ NOT NULL,
-    acquired_at TIMESTAMPTZ NOT NULL,
-    holder_host TEXT        NOT NULL,
-    holder_pid  INT         NOT NULL,
-    holder_app  TEXT        NOT NULL
-) WITH (fillfactor = 10);
+DROP FUNCTION IF EXISTS "pincost_fenced_remove"(UUID, TEXT, TEXT, TEXT, TEXT);
+DROP TABLE IF EXISTS "pincost", "pincost_lease", "pincost_crash_marker";
+SQL
+    cat "$migrations"/0*.sql | sed "${names[@]}"
+    echo "$nopin"
+    cat <<'SQL'
 -- Held by the benchmark's owner id for 10 years.
 INSERT INTO "pincost_lease"
+    (id, owner_id, epoch, expires_at, acquired_at, holder_host, holder_pid, holder_app)
 VALUES (1, :'owner', 1, now() + interval '10 years', now(), 'bench', 0, 'pin_cost.sh');
-
--- Migration 6's write function, as shipped.
-CREATE FUNCTION "pincost_fenced_write"(
-    _owner UUID, _primary TEXT, _secondary TEXT, _key TEXT, _value BYTEA, _commit TEXT)
-RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
-DECLARE
-    _epoch   BIGINT;
-    _expires TIMESTAMPTZ;
-BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'pgfence: a fenced write runs at read committed, not %',
-            current_setting('transaction_isolation') USING ERRCODE = 'PF001';
-    END IF;
-    PERFORM set_config('synchronous_commit',
-        CASE WHEN _commit = 'on' AND current_setting('synchronous_commit') = 'remote_apply'
-             THEN 'remote_apply' ELSE _commit END, true);
-    SELECT epoch, expires_at INTO _epoch, _expires FROM "pincost_lease"
-     WHERE id = 1 AND owner_id = _owner AND expires_at > clock_timestamp()
-       FOR KEY SHARE;
-    IF NOT FOUND OR _expires <= clock_timestamp() THEN
-        RETURN false;
-    END IF;
-    INSERT INTO "pincost" (primary_namespace, secondary_namespace, key, value, epoch)
-    VALUES (_primary, _secondary, _key, _value, _epoch)
-    ON CONFLICT (primary_namespace, secondary_namespace, key)
-    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch;
-    RETURN true;
-END $fn$;
-
--- The same without the pin: no isolation check, no set_config. Not a store's function.
-CREATE FUNCTION "pincost_fenced_write_nopin"(
-    _owner UUID, _primary TEXT, _secondary TEXT, _key TEXT, _value BYTEA, _commit TEXT)
-RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
-DECLARE
-    _epoch   BIGINT;
-    _expires TIMESTAMPTZ;
-BEGIN
-    SELECT epoch, expires_at INTO _epoch, _expires FROM "pincost_lease"
-     WHERE id = 1 AND owner_id = _owner AND expires_at > clock_timestamp()
-       FOR KEY SHARE;
-    IF NOT FOUND OR _expires <= clock_timestamp() THEN
-        RETURN false;
-    END IF;
-    INSERT INTO "pincost" (primary_namespace, secondary_namespace, key, value, epoch)
-    VALUES (_primary, _secondary, _key, _value, _epoch)
-    ON CONFLICT (primary_namespace, secondary_namespace, key)
-    DO UPDATE SET value = EXCLUDED.value, epoch = EXCLUDED.epoch;
-    RETURN true;
-END $fn$;
-
+SQL
+} | psql -qX -v ON_ERROR_STOP=1 -v owner="$OWNER"
+psql -qX -v ON_ERROR_STOP=1 <<'SQL'
 -- Every key exists: each write is an update, a store's steady state.
 INSERT INTO "pincost" (primary_namespace, secondary_namespace, key, value, epoch)
 SELECT 'r', 's', 'k' || i, decode(repeat('61', 1024), 'hex'), 1 FROM generate_series(0, 63) i;
