@@ -27,26 +27,9 @@ trap 'rm -rf "$dir"; psql -qX -c "DROP TABLE IF EXISTS mx_kv, mx_lease, mx_lease
 export PGOPTIONS="${PGOPTIONS:-} -c client_min_messages=warning"
 q() { psql -qXtA -c "$1"; }
 
-# CPU time (µs, from clock ticks) of the postmaster and all its children, live (utime + stime)
-# and exited (the postmaster's cutime + cstime: pgbench's backends exit at its end); empty if the
-# server is not local.
-# The checkpointer is a long-lived child of the postmaster.
-checkpointer=$(q "SELECT pid FROM pg_stat_activity WHERE backend_type = 'checkpointer'")
-postmaster=$(sed 's/.*) //' "/proc/$checkpointer/stat" 2>/dev/null | awk '{print $2}' || true)
-server_cpu_us() {
-    [ -n "$postmaster" ] || return 0
-    local hz total=0 pid stat
-    hz=$(getconf CLK_TCK)
-    for stat in /proc/[0-9]*/stat; do
-        pid=${stat#/proc/}; pid=${pid%/stat}
-        # Fields after the ")" of the command name: 2 = ppid, 12 = utime, 13 = stime.
-        read -r ppid ticks children < <(sed 's/.*) //' "$stat" 2>/dev/null |
-            awk '{print $2, $12 + $13, $14 + $15}') || continue
-        if [ "$pid" = "$postmaster" ]; then total=$((total + ticks + children)); fi
-        if [ "$ppid" = "$postmaster" ]; then total=$((total + ticks)); fi
-    done
-    echo $((total * 1000000 / hz))
-}
+# server_cpu_us: the server's CPU time so far (scripts/server_cpu.sh).
+# shellcheck source=scripts/server_cpu.sh
+source "$(dirname "$0")/server_cpu.sh"
 
 psql -qX -v ON_ERROR_STOP=1 <<'SQL'
 DROP TABLE IF EXISTS mx_kv, mx_lease, mx_lease16;

@@ -70,26 +70,9 @@ export PGOPTIONS="${PGOPTIONS:-} -c client_min_messages=warning -c synchronous_c
 
 q() { psql -qXtA -c "$1"; }
 
-# CPU time (µs) of the server: the postmaster and its children, live (utime + stime) and exited
-# (the postmaster's cutime + cstime: pgbench's backend exits at its end). Empty if the server is
-# not on this machine (its postmaster is found as the parent of the checkpointer). Unlike the
-# latency, it does not include waiting for the WAL flush, whose time varies far more than a pin.
-checkpointer=$(q "SELECT pid FROM pg_stat_activity WHERE backend_type = 'checkpointer'")
-postmaster=$(sed 's/.*) //' "/proc/$checkpointer/stat" 2>/dev/null | awk '{print $2}' || true)
-server_cpu_us() {
-    [ -n "$postmaster" ] || return 0
-    local hz total=0 pid stat
-    hz=$(getconf CLK_TCK)
-    for stat in /proc/[0-9]*/stat; do
-        pid=${stat#/proc/}; pid=${pid%/stat}
-        # Fields after the ")" of the command name: 2 = ppid, 12 = utime, 13 = stime.
-        read -r ppid ticks children < <(sed 's/.*) //' "$stat" 2>/dev/null |
-            awk '{print $2, $12 + $13, $14 + $15}') || continue
-        if [ "$pid" = "$postmaster" ]; then total=$((total + ticks + children)); fi
-        if [ "$ppid" = "$postmaster" ]; then total=$((total + ticks)); fi
-    done
-    echo $((total * 1000000 / hz))
-}
+# server_cpu_us: the server's CPU time so far (scripts/server_cpu.sh).
+# shellcheck source=scripts/server_cpu.sh
+source "$(dirname "$0")/server_cpu.sh"
 
 OWNER=00000000-0000-0000-0000-000000000001
 # A 1 KiB value as bytea's hex text, sent as a parameter like the store's.
